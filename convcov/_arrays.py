@@ -1,0 +1,183 @@
+"""Array kinds, devices and dtypes: how convcov recognises what the user holds.
+
+Owns: telling a numpy array, a torch tensor, a CuPy array and any other object with
+``__cuda_array_interface__`` apart; reading their shape, strides, dtype, data pointer and
+device; zero-copy host (numpy) views of host tensors; and allocating a result "like" an
+input (``patch_moment``).
+
+Rule: never import a framework the user has not imported. A torch tensor can only exist
+if ``torch`` is already in ``sys.modules``, so kinds are recognised by looking there
+(the habit of array-api-compat), never by importing.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, NamedTuple
+
+import numpy as np
+
+#: The dtypes convcov computes on, by name. bfloat16 arrives as torch tensors (or numpy
+#: arrays of ml_dtypes' bfloat16); it has no numpy dtype, so host views hold its bits as uint16.
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+
+_NUMPY_TYPESTR = {"f2": "float16", "f4": "float32", "f8": "float64"}
+
+
+class ArrayInfo(NamedTuple):
+    """What the front end and the GPU backends need to know about one array."""
+
+    kind: str  # "numpy" | "torch" | "cupy" | "cai"
+    device: tuple  # ("cpu", None) or ("cuda", ordinal or None when unknown)
+    dtype: str  # one of FLOAT_DTYPES (or the foreign name, before validation rejects it)
+    shape: tuple
+    strides: tuple  # in elements
+    ptr: int  # address of element [0, ..., 0]
+    readonly: bool
+
+
+def _torch():
+    return sys.modules.get("torch")
+
+
+def _cupy():
+    return sys.modules.get("cupy")
+
+
+def is_torch(x) -> bool:
+    torch = _torch()
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def is_cupy(x) -> bool:
+    cupy = _cupy()
+    return cupy is not None and isinstance(x, cupy.ndarray)
+
+
+def _numpy_dtype_name(dt: np.dtype) -> str:
+    if dt.kind == "f" and dt.itemsize in (2, 4, 8):
+        return dt.name
+    if dt.name == "bfloat16":  # ml_dtypes.bfloat16
+        return "bfloat16"
+    return str(dt)
+
+
+def _elem_strides(byte_strides, itemsize) -> tuple:
+    # numpy allows byte strides that are not multiples of the item size (as_strided tricks);
+    # convcov indexes in elements, so such arrays are refused by validation (TypeError).
+    if any(s % itemsize for s in byte_strides):
+        return None
+    return tuple(s // itemsize for s in byte_strides)
+
+
+def info(x, name: str) -> ArrayInfo:
+    """Describe array argument ``name``; TypeError for anything that is not an array."""
+    if isinstance(x, np.ndarray):
+        dtype = _numpy_dtype_name(x.dtype)
+        return ArrayInfo(
+            "numpy", ("cpu", None), dtype, x.shape,
+            _elem_strides(x.strides, x.dtype.itemsize),
+            x.__array_interface__["data"][0], not x.flags.writeable,
+        )
+    if is_torch(x):
+        dev = x.device
+        dtype = str(x.dtype).removeprefix("torch.")
+        device = ("cpu", None) if dev.type == "cpu" else (dev.type, dev.index)
+        return ArrayInfo("torch", device, dtype, tuple(x.shape), tuple(x.stride()),
+                         x.data_ptr(), False)
+    if is_cupy(x):
+        dtype = _numpy_dtype_name(x.dtype)
+        return ArrayInfo("cupy", ("cuda", x.device.id), dtype, x.shape,
+                         _elem_strides(x.strides, x.dtype.itemsize), x.data.ptr, False)
+    cai = getattr(x, "__cuda_array_interface__", None)
+    if cai is not None:
+        typestr = cai["typestr"]
+        dtype = _NUMPY_TYPESTR.get(typestr[1:], typestr)
+        itemsize = np.dtype(typestr).itemsize
+        shape = tuple(cai["shape"])
+        strides = cai.get("strides")
+        if strides is None:  # C-contiguous
+            strides, acc = [], itemsize
+            for n in reversed(shape):
+                strides.append(acc)
+                acc *= max(n, 1)
+            strides = tuple(reversed(strides))
+        ptr, readonly = cai["data"]
+        return ArrayInfo("cai", ("cuda", _cai_device(x, ptr)), dtype, shape,
+                         _elem_strides(strides, itemsize), ptr, bool(readonly))
+    raise TypeError(
+        f"{name}: expected a numpy.ndarray, torch.Tensor, cupy.ndarray or an object with "
+        f"__cuda_array_interface__; got {type(x).__module__}.{type(x).__qualname__}"
+    )
+
+
+def _cai_device(x, ptr) -> int | None:
+    """Device ordinal of a generic CUDA array (numba device arrays and the like)."""
+    numba_cuda = sys.modules.get("numba.cuda")
+    if numba_cuda is not None and hasattr(x, "gpu_data"):
+        try:
+            return x.gpu_data.context.device.id  # numba DeviceNDArray
+        except AttributeError:
+            pass
+    return None  # unknown: GPU backends then use the current device
+
+
+def extent(a: ArrayInfo) -> tuple[int, int] | None:
+    """[lo, hi) byte range an array can touch; None when it has no elements."""
+    if a.strides is None or any(n == 0 for n in a.shape):
+        return None
+    size = ITEMSIZE.get(a.dtype, 1)
+    lo = hi = a.ptr
+    for n, s in zip(a.shape, a.strides):
+        span = (n - 1) * s * size
+        if span < 0:
+            lo += span
+        else:
+            hi += span
+    return lo, hi + size
+
+
+def overlaps(a: ArrayInfo, b: ArrayInfo) -> bool:
+    ea, eb = extent(a), extent(b)
+    return ea is not None and eb is not None and ea[0] < eb[1] and eb[0] < ea[1]
+
+
+def host_view(x, dtype: str) -> np.ndarray:
+    """Zero-copy numpy view of a host array (numpy, or torch on the CPU).
+
+    bfloat16 has no numpy dtype: its view holds the raw bits as uint16, and the host
+    backends that accept bfloat16 decode them.
+    """
+    if isinstance(x, np.ndarray):
+        return x.view(np.uint16) if dtype == "bfloat16" else x
+    t = x.detach()  # a view sharing storage: writes through it reach the user's tensor
+    if dtype == "bfloat16":
+        torch = _torch()
+        return t.view(torch.int16).numpy().view(np.uint16)
+    return t.numpy()
+
+
+def zeros_like_kind(like, info_: ArrayInfo, shape: tuple, dtype: str):
+    """A zero array of ``shape`` and ``dtype`` in the same library and on the same device
+    as ``like`` (the result of ``patch_moment``)."""
+    if info_.kind == "numpy":
+        return np.zeros(shape, dtype=dtype)
+    if info_.kind == "torch":
+        torch = _torch()
+        return torch.zeros(shape, dtype=getattr(torch, dtype), device=like.device)
+    if info_.kind == "cupy":
+        cupy = _cupy()
+        with cupy.cuda.Device(info_.device[1]):
+            return cupy.zeros(shape, dtype=dtype)
+    numba_cuda = sys.modules.get("numba.cuda")
+    if numba_cuda is not None and hasattr(like, "gpu_data"):
+        # A numba device array: allocate on its device, zero it with a driver memset.
+        with numba_cuda.gpus[info_.device[1] or 0]:
+            out = numba_cuda.device_array(shape, dtype=dtype)
+            numba_cuda.driver.device_memset(out, 0, out.nbytes)
+        return out
+    raise TypeError(
+        f"patch_moment: cannot allocate a result like {type(like).__module__}."
+        f"{type(like).__qualname__}; pass numpy, torch, cupy or numba arrays"
+    )
