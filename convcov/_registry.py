@@ -181,13 +181,15 @@ def _parse(value, source) -> list[str]:
 
 def _refusal(b: Backend, device: str, dtypes: frozenset) -> str | None:
     """Why backend ``b`` cannot take this call (None when it can)."""
+    if b.device != device:
+        # built-ins by their declared device, so an error message imports nothing
+        ok = [n for n in names()
+              if (_BUILTIN_DEVICE[n] if n in BUILTIN else get(n).device) == device]
+        return (f"{b.name}: runs on {b.device} arrays, these are {device} arrays "
+                f"(backends for {device} arrays: {', '.join(ok)})")
     reason = b.unavailable_reason()
     if reason is not None:
         return f"{b.name}: {reason}"
-    if b.device != device:
-        ok = [n for n in names() if get(n).device == device]
-        return (f"{b.name}: runs on {b.device} arrays, these are {device} arrays "
-                f"(backends for {device} arrays: {', '.join(ok)})")
     missing = sorted(dtypes - b.dtypes)
     if missing:
         return f"{b.name}: does not compute on {', '.join(missing)}"
@@ -202,9 +204,15 @@ def select(requested, device: str, dtypes: frozenset) -> Backend:
         prefs, source = _parse(os.environ[ENV_VAR], ENV_VAR), ENV_VAR
     else:
         prefs, source = list(AUTO[device]), "automatic choice"
+    unknown = [n for n in prefs if n not in _extra and n not in BUILTIN]
+    if unknown and set(unknown) - set(names()):
+        # A typo is an error even when an earlier name would do: it would hide later.
+        bad = [n for n in unknown if n not in names()]
+        raise BackendError(f"unknown backend {bad[0]!r} in {source}; valid backends: "
+                           f"{', '.join(names())}")
     refusals = []
     for n in prefs:
-        b = get(n)  # unknown names are an error even inside a preference list: typos
+        b = get(n)
         why = _refusal(b, device, dtypes)
         if why is None:
             return b

@@ -1,0 +1,303 @@
+"""``convcov bench``: the one place convcov's speed is measured (SPEC section 5).
+
+For each reference workload and each available backend on the device: check the result
+against the numpy reference (on the first batch element, in float64), then time whole
+``convcov.accumulate`` calls (dispatch included) and take the median. The floor of one call
+is ``bytes / copy bandwidth`` with bytes = |gamma channel-diagonal| + |mu| +
+2 |out channel-diagonal| + |c| and the bandwidth of a large copy (bytes read + written)
+measured in the same run; ``fraction`` = floor / time (1.0 = at the memory floor). The
+same run times the plain PyTorch expression (:mod:`convcov.torch_expr`) eagerly and under
+``torch.compile`` on the same arrays.
+
+Host timings use ``time.perf_counter``; CUDA timings use CUDA events around each call,
+with the queue drained before it, so a small call's time includes its Python dispatch.
+Inputs are small positive numbers so that hundreds of repeated accumulations stay finite
+even in float16.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+import convcov
+from convcov import _registry
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    B: int
+    Ci: int
+    Co: int
+    H: int
+    k: int
+    layout: str  # "full" or "diag", for out and gamma alike
+    dtype: str
+    device: str  # where the workload is run: "cpu", "cuda" or "both"
+
+    @property
+    def Ho(self):
+        return self.H - self.k + 1
+
+    def floor_bytes(self) -> int:
+        size = np.dtype(self.dtype).itemsize
+        gamma = self.B * self.Ci * self.H**4
+        mu = self.B * self.Ci * self.H**2
+        out = self.B * self.Co * self.Ho**4
+        return size * (gamma + mu + 2 * out + self.Co)
+
+
+#: SPEC section 5's reference workloads.
+WORKLOADS = [
+    Workload("toy", 2, 3, 3, 9, 3, "full", "float32", "both"),
+    Workload("cpu", 8, 16, 16, 16, 3, "full", "float32", "cpu"),
+    Workload("mid", 16, 32, 32, 16, 3, "full", "float32", "cuda"),
+    Workload("big-f32", 32, 64, 64, 32, 3, "diag", "float32", "cuda"),
+    Workload("big-f16", 32, 64, 64, 32, 3, "diag", "float16", "cuda"),
+]
+
+
+@dataclass
+class Row:
+    workload: str
+    impl: str  # a backend name, "torch" (eager) or "torch.compile"
+    median_us: float
+    floor_us: float
+    fraction: float  # floor / median
+    rel_error: float | None  # ||got - ref|| / ||ref|| on batch element 0; None if unchecked
+    calls: int
+
+
+# --------------------------------------------------------------------------- arrays
+class _Host:
+    """numpy arrays (torch views of them for the torch baselines)."""
+
+    name = "cpu"
+
+    def __init__(self):
+        self.rng = np.random.default_rng(0)
+
+    def rand(self, shape, dtype, scale):
+        return (self.rng.random(shape, dtype=np.float32) * scale).astype(dtype, copy=False)
+
+    def to_host64(self, x):
+        return np.asarray(x, np.float64)
+
+    def clone(self, x):
+        return x.copy()
+
+    def torch(self, x):
+        import torch
+
+        return torch.from_numpy(x)
+
+    def copy_bandwidth(self):
+        a = np.ones(64 * 2**20, np.float32)
+        b = np.empty_like(a)
+        ts = []
+        for _ in range(7):
+            t0 = time.perf_counter()
+            np.copyto(b, a)
+            ts.append(time.perf_counter() - t0)
+        return 2 * a.nbytes / statistics.median(ts)
+
+    def time_calls(self, fn, repeat, budget_s):
+        ts, start = [], time.perf_counter()
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+            if time.perf_counter() - start > budget_s and len(ts) >= 5:
+                break
+        return ts
+
+    def describe(self):
+        return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+
+
+class _Cuda:
+    """torch CUDA tensors, the arrays GPU users hold."""
+
+    name = "cuda"
+
+    def __init__(self):
+        import torch
+
+        self.t = torch
+        self.gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def rand(self, shape, dtype, scale):
+        t = self.t
+        return t.rand(shape, generator=self.gen, device="cuda", dtype=getattr(t, dtype)) * scale
+
+    def to_host64(self, x):
+        return x.detach().double().cpu().numpy()
+
+    def clone(self, x):
+        return x.clone()
+
+    def torch(self, x):
+        return x
+
+    def copy_bandwidth(self):
+        t = self.t
+        a = t.ones(512 * 2**20, dtype=t.float32, device="cuda")  # 2 GiB
+        b = t.empty_like(a)
+        for _ in range(3):
+            b.copy_(a)
+        ts = self.time_calls(lambda: b.copy_(a), 20, 5.0)
+        del a, b
+        return 2 * 512 * 2**20 * 4 / statistics.median(ts)
+
+    def time_calls(self, fn, repeat, budget_s):
+        t = self.t
+        pairs, start = [], time.perf_counter()
+        for _ in range(repeat):
+            t.cuda.synchronize()  # an empty queue: the interval includes host dispatch
+            e0, e1 = t.cuda.Event(enable_timing=True), t.cuda.Event(enable_timing=True)
+            e0.record()
+            fn()
+            e1.record()
+            pairs.append((e0, e1))
+            if time.perf_counter() - start > budget_s and len(pairs) >= 5:
+                break
+        t.cuda.synchronize()
+        return [e0.elapsed_time(e1) / 1e3 for e0, e1 in pairs]
+
+    def describe(self):
+        p = self.t.cuda.get_device_properties(0)
+        return f"{p.name}, {p.multi_processor_count} SMs, {p.total_memory / 2**30:.0f} GiB"
+
+
+# --------------------------------------------------------------------------- running
+def _inputs(dev, w: Workload):
+    out_shape = ((w.B, w.Co, w.Ho, w.Ho, w.Co, w.Ho, w.Ho) if w.layout == "full"
+                 else (w.B, w.Co, w.Ho, w.Ho, w.Ho, w.Ho))
+    gamma_shape = ((w.B, w.Ci, w.H, w.H, w.Ci, w.H, w.H) if w.layout == "full"
+                   else (w.B, w.Ci, w.H, w.H, w.H, w.H))
+    return dict(out=dev.rand(out_shape, w.dtype, 1.0), gamma=dev.rand(gamma_shape, w.dtype, 0.01),
+                mu=dev.rand((w.B, w.Ci, w.H, w.H), w.dtype, 0.1), c=dev.rand((w.Co,), w.dtype, 1.0))
+
+
+def _first_batch(a):
+    return a[:1]
+
+
+def _check(dev, w, a, run) -> float:
+    """Relative error of one call on batch element 0 against the float64 numpy reference."""
+    out = dev.clone(_first_batch(a["out"]))
+    args = [_first_batch(a["gamma"]), _first_batch(a["mu"]), a["c"]]
+    run(out, *args)
+    got = dev.to_host64(out)
+    ref = convcov.accumulate(dev.to_host64(_first_batch(a["out"])),
+                             *(dev.to_host64(x) for x in args), w.k, backend="numpy")
+    return float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+
+
+def _impls(dev, backends, with_torch):
+    impls = {}
+    for row in convcov.backends():
+        if backends and row.name not in backends:
+            continue
+        b = _registry.get(row.name)
+        if row.available and b.device == dev.name:
+            impls[row.name] = (lambda name: lambda out, gamma, mu, c, w: convcov.accumulate(
+                out, gamma, mu, c, w.k, backend=name))(row.name)
+    if with_torch:
+        try:
+            import torch  # noqa: F401
+
+            from convcov import torch_expr
+        except ImportError:
+            return impls
+        eager = lambda out, gamma, mu, c, w: torch_expr.accumulate(  # noqa: E731
+            dev.torch(out), dev.torch(gamma), dev.torch(mu), dev.torch(c), w.k, w.k)
+        impls["torch"] = eager
+        compiled = torch.compile(torch_expr.accumulate, dynamic=False)
+        impls["torch.compile"] = lambda out, gamma, mu, c, w: compiled(
+            dev.torch(out), dev.torch(gamma), dev.torch(mu), dev.torch(c), w.k, w.k)
+    return impls
+
+
+def run(device="cpu", workloads=None, backends=None, with_torch=True, repeat=200,
+        budget_s=3.0, progress=None) -> dict:
+    """Measure; returns a JSON-ready dict (machine, date, bandwidth, rows)."""
+    dev = _Cuda() if device == "cuda" else _Host()
+    chosen = [w for w in WORKLOADS if w.device in (device, "both")
+              and (not workloads or w.name in workloads)]
+    bandwidth = dev.copy_bandwidth()
+    impls = _impls(dev, backends, with_torch)
+    rows = []
+    task = progress.add_task("bench", total=len(chosen) * len(impls)) if progress else None
+    for w in chosen:
+        a = _inputs(dev, w)
+        floor_s = w.floor_bytes() / bandwidth
+        for name, impl in impls.items():
+            if progress:
+                progress.update(task, description=f"{w.name} / {name}")
+            call = lambda: impl(a["out"], a["gamma"], a["mu"], a["c"], w)  # noqa: E731
+            try:
+                # torch.compile is not re-checked: checking would compile a second graph
+                # for the one-batch shape; it compiles the eager expression checked above.
+                err = None if name == "torch.compile" else _check(
+                    dev, w, a, lambda out, g, m, c: impl(out, g, m, c, w))
+                for _ in range(3):  # warm-up: compilation, caches, allocator
+                    call()
+                ts = dev.time_calls(call, repeat, budget_s)
+            except Exception as exc:  # a failing implementation is a row, not a crash
+                rows.append(Row(w.name, f"{name} (failed: {type(exc).__name__}: {exc})"[:120],
+                                float("nan"), floor_s * 1e6, float("nan"), None, 0))
+                if progress:
+                    progress.advance(task)
+                continue
+            med = statistics.median(ts)
+            rows.append(Row(w.name, name, med * 1e6, floor_s * 1e6, floor_s / med, err, len(ts)))
+            if progress:
+                progress.advance(task)
+        del a
+    return dict(
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        device=device, machine=dev.describe(), convcov=convcov.__version__,
+        versions=_versions(), copy_bandwidth_GBps=bandwidth / 1e9,
+        workloads=[asdict(w) for w in chosen], rows=[asdict(r) for r in rows],
+    )
+
+
+def _versions():
+    import sys
+
+    v = {"python": platform.python_version(), "numpy": np.__version__}
+    for mod in ("numba", "torch", "cupy", "numba_cuda"):
+        m = sys.modules.get(mod)
+        if m is not None:
+            v[mod] = getattr(m, "__version__", "?")
+    return v
+
+
+def table(result: dict):
+    """A rich Table of one run."""
+    from rich.table import Table
+
+    t = Table(title=f"convcov bench on {result['machine']} ({result['date']}); "
+                    f"copy bandwidth {result['copy_bandwidth_GBps']:.1f} GB/s")
+    for col in ("workload", "impl", "median µs", "floor µs", "fraction of floor",
+                "rel. error", "calls"):
+        t.add_column(col, justify="left" if col in ("workload", "impl") else "right")
+    for r in result["rows"]:
+        err = "-" if r["rel_error"] is None else f"{r['rel_error']:.1e}"
+        t.add_row(r["workload"], r["impl"], f"{r['median_us']:.1f}", f"{r['floor_us']:.1f}",
+                  f"{r['fraction']:.2f}", err, str(r["calls"]))
+    return t
+
+
+def save_json(result: dict, path: str):
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)

@@ -1,0 +1,106 @@
+"""The ``convcov`` command: ``convcov bench`` (SPEC section 5 measurements) and
+``convcov info`` (backends, devices, versions). Argument parsing is argparse; tables and
+progress are rich (the ``bench`` extra)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _console():
+    try:
+        from rich.console import Console
+    except ImportError:
+        sys.exit("convcov: the command line needs rich: pip install 'convcov[bench]'")
+    console = Console()
+    if not console.is_terminal:  # logs and CI: wide enough for the whole table
+        console = Console(width=140)
+    return console
+
+
+def _cuda_usable() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def cmd_bench(args):
+    console = _console()
+    from rich.progress import Progress
+
+    from . import bench
+
+    devices = {"auto": ["cpu"] + (["cuda"] if _cuda_usable() else []),
+               "cpu": ["cpu"], "cuda": ["cuda"]}[args.device]
+    if "cuda" in devices and not _cuda_usable():
+        sys.exit("convcov bench: --device cuda needs torch with a CUDA device")
+    results = []
+    for device in devices:
+        with Progress(console=console, transient=True) as progress:
+            result = bench.run(device, args.workload, args.backend, not args.no_torch,
+                               args.repeat, args.budget, progress)
+        console.print(bench.table(result))
+        results.append(result)
+    if args.json:
+        bench.save_json(results[0] if len(results) == 1 else {"runs": results}, args.json)
+        console.print(f"wrote {args.json}")
+
+
+def cmd_info(args):
+    console = _console()
+    import platform
+
+    import numpy
+
+    import convcov
+    from rich.table import Table
+
+    t = Table(title=f"convcov {convcov.__version__} (python {platform.python_version()}, "
+                    f"numpy {numpy.__version__})")
+    for col in ("backend", "device", "available", "why not"):
+        t.add_column(col)
+    for row in convcov.backends():
+        t.add_row(row.name, row.device, "yes" if row.available else "no", row.reason)
+    console.print(t)
+    for mod in ("numba", "torch", "cupy"):
+        try:
+            m = __import__(mod)
+            console.print(f"{mod} {m.__version__}")
+        except ImportError:
+            console.print(f"{mod}: not installed")
+    if _cuda_usable():
+        import torch
+
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            console.print(f"cuda:{i} {p.name}, {p.multi_processor_count} SMs, "
+                          f"{p.total_memory / 2**30:.0f} GiB")
+    else:
+        console.print("no CUDA device visible to torch")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="convcov", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("bench", help="time every available backend on SPEC's workloads")
+    b.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="host backends, CUDA backends, or both when a GPU is there (default)")
+    b.add_argument("--workload", action="append",
+                   help="toy, cpu, mid, big-f32, big-f16 (repeatable; default: all for the device)")
+    b.add_argument("--backend", action="append", help="restrict to these backends (repeatable)")
+    b.add_argument("--no-torch", action="store_true", help="skip the torch / torch.compile rows")
+    b.add_argument("--repeat", type=int, default=200, help="timed calls per row, at most")
+    b.add_argument("--budget", type=float, default=3.0, help="seconds per row, at most")
+    b.add_argument("--json", help="also write the results to this JSON file")
+    b.set_defaults(func=cmd_bench)
+    i = sub.add_parser("info", help="backends, devices, versions")
+    i.set_defaults(func=cmd_info)
+    args = parser.parse_args(argv)
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()

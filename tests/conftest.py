@@ -1,0 +1,35 @@
+"""Test-session setup: the CUDA simulator when there is no GPU, hypothesis profiles.
+
+Without a CUDA device, ``NUMBA_ENABLE_CUDASIM=1`` is set before anything imports numba,
+so the numba_cuda kernel runs (tiny shapes) through Numba's CUDA simulator: that is how CI
+exercises it. With a device, the real GPU backends run.
+"""
+
+import ctypes
+import os
+
+from hypothesis import HealthCheck, settings
+
+
+def _cuda_device_count() -> int:
+    for name in ("libcuda.so.1", "libcuda.so"):
+        try:
+            lib = ctypes.CDLL(name)
+        except OSError:
+            continue
+        n = ctypes.c_int(0)
+        if lib.cuInit(0) == 0 and lib.cuDeviceGetCount(ctypes.byref(n)) == 0:
+            return n.value
+        return 0
+    return 0
+
+
+if "NUMBA_ENABLE_CUDASIM" not in os.environ and _cuda_device_count() == 0:
+    os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+
+_common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                     HealthCheck.data_too_large])
+settings.register_profile("ci", max_examples=200, **_common)
+settings.register_profile("gpu", max_examples=1000, **_common)
+settings.register_profile("quick", max_examples=25, **_common)
+settings.load_profile(os.environ.get("CONVCOV_HYPOTHESIS_PROFILE", "ci"))

@@ -1,0 +1,172 @@
+"""Test helpers: arrays of every kind, the literal-loop ground truth, and tolerances.
+
+* :func:`make` turns a float64 numpy array into an array of a given kind (numpy, torch
+  CPU/CUDA, cupy, numba device array), dtype and memory layout (contiguous, permuted
+  storage, or a strided slice of a larger buffer), so backends see real-world strides.
+* :func:`to_f64` brings any of them back as a float64 numpy array.
+* :func:`op_loops` is the seed's ``op_slow`` generalised to stride, padding, dilation and
+  groups, written as literal loops in float64: the ground truth on tiny shapes.
+* :func:`tolerance` is the standard forward error bound of a floating-point sum.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import numpy as np
+
+SIM = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
+HAS_TORCH = importlib.util.find_spec("torch") is not None
+
+
+def torch_cuda() -> bool:
+    if not HAS_TORCH:
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def has_cupy_gpu() -> bool:
+    if importlib.util.find_spec("cupy") is None:
+        return False
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+def kinds_for(device: str) -> list[str]:
+    """Array kinds to test a backend of this device kind with, here."""
+    if device == "cpu":
+        return ["numpy"] + (["torch"] if HAS_TORCH else [])
+    kinds = []
+    if torch_cuda():
+        kinds.append("torch_cuda")
+    if has_cupy_gpu():
+        kinds.append("cupy")
+    if not SIM and kinds and importlib.util.find_spec("numba_cuda") is not None:
+        kinds.append("numba")
+    return kinds
+
+
+def _layout_view(a: np.ndarray, layout: str, rng) -> tuple[np.ndarray, tuple]:
+    """(base array, recipe) such that applying the recipe to base gives an array equal to a."""
+    if layout == "contiguous" or a.ndim == 0:
+        return a.copy(), ()
+    if layout == "permuted":
+        perm = tuple(rng.permutation(a.ndim))
+        base = np.ascontiguousarray(a.transpose(perm))
+        return base, ("permute", tuple(np.argsort(perm)))
+    # "strided": every second element along one axis of a larger buffer
+    axis = int(rng.integers(a.ndim))
+    shape = list(a.shape)
+    shape[axis] *= 2
+    base = np.zeros(shape, a.dtype)
+    index = [slice(None)] * a.ndim
+    index[axis] = slice(None, None, 2)
+    base[tuple(index)] = a
+    return base, ("step", tuple(index))
+
+
+def make(a: np.ndarray, kind: str, dtype: str, layout: str = "contiguous", rng=None):
+    """Array of ``kind`` / ``dtype`` holding ``a`` (rounded to dtype), with ``layout``."""
+    rng = rng or np.random.default_rng(0)
+    base, recipe = _layout_view(np.asarray(a, np.float64), layout, rng)
+    if kind == "numpy":
+        if dtype == "bfloat16":
+            raise ValueError("numpy has no bfloat16")
+        x = base.astype(dtype)
+    elif kind in ("torch", "torch_cuda"):
+        import torch
+
+        x = torch.from_numpy(base).to(getattr(torch, dtype))
+        if kind == "torch_cuda":
+            x = x.cuda()
+    elif kind == "cupy":
+        import cupy
+
+        x = cupy.asarray(base.astype(dtype))
+    elif kind == "numba":
+        from numba import cuda
+
+        if recipe and recipe[0] == "permute":  # numba device arrays only transpose 2-D
+            base, recipe = np.asarray(a, np.float64), ()
+        x = cuda.to_device(np.ascontiguousarray(base.astype(dtype)))
+    else:
+        raise ValueError(kind)
+    if recipe and recipe[0] == "permute":
+        x = x.permute(*recipe[1]) if kind.startswith("torch") else x.transpose(recipe[1])
+    elif recipe and recipe[0] == "step":
+        x = x[recipe[1]]
+    return x
+
+
+def to_f64(x) -> np.ndarray:
+    if isinstance(x, np.ndarray):
+        return x.astype(np.float64)
+    mod = type(x).__module__.split(".")[0]
+    if mod == "torch":
+        return x.detach().cpu().double().numpy()
+    if mod == "cupy":
+        import cupy
+
+        return cupy.asnumpy(x).astype(np.float64)
+    return np.asarray(x.copy_to_host(), np.float64)
+
+
+def op_loops(out, gamma, mu, c, kh, kw, stride=(1, 1), padding=(0, 0), dilation=(1, 1),
+             groups=1):
+    """The seed's op_slow as literal float64 loops, with stride/padding/dilation/groups.
+
+    ``out`` full (7-d) or diagonal (6-d); ``gamma`` full, diagonal or None; ``c`` (Co,).
+    Returns a new array; terms with a position in the padding are skipped.
+    """
+    out = np.array(out, np.float64)
+    B, Ci, H, W = mu.shape
+    Co = out.shape[1]
+    Ho, Wo = out.shape[2], out.shape[3]
+    (sh, sw), (ph, pw), (dh, dw) = stride, padding, dilation
+    full_out = out.ndim == 7
+    per_g, cg = Co // groups, Ci // groups
+    for b in range(B):
+        for c0 in range(Co):
+            g = c0 // per_g
+            for i0 in range(Ho):
+                for j0 in range(Wo):
+                    for i1 in range(Ho):
+                        for j1 in range(Wo):
+                            s = 0.0
+                            for ci in range(g * cg, (g + 1) * cg):
+                                for ii in range(kh):
+                                    for ji in range(kw):
+                                        x0, y0 = i0 * sh + ii * dh - ph, j0 * sw + ji * dw - pw
+                                        x1, y1 = i1 * sh + ii * dh - ph, j1 * sw + ji * dw - pw
+                                        if not (0 <= x0 < H and 0 <= y0 < W
+                                                and 0 <= x1 < H and 0 <= y1 < W):
+                                            continue
+                                        s += mu[b, ci, x0, y0] * mu[b, ci, x1, y1]
+                                        if gamma is not None:
+                                            s += (gamma[b, ci, x0, y0, ci, x1, y1]
+                                                  if gamma.ndim == 7
+                                                  else gamma[b, ci, x0, y0, x1, y1])
+                            idx = (b, c0, i0, j0, c0, i1, j1) if full_out else (b, c0, i0, j0, i1, j1)
+                            out[idx] += c[c0] * s
+    return out
+
+
+#: Unit roundoff of each dtype.
+UNIT = {"float16": 2.0**-11, "bfloat16": 2.0**-8, "float32": 2.0**-24, "float64": 2.0**-53}
+
+
+def tolerance(bound: np.ndarray, n_terms: int, acc: str, out_dtype: str) -> np.ndarray:
+    """Forward error bound of ``round_out(out0 + sum of n_terms products)``.
+
+    ``bound`` is the same sum on absolute values (|out0| + |c| * S(|gamma|, |mu|)). A sum of
+    n terms accumulated in ``acc`` is off by at most about n * u_acc * bound; rounding into
+    ``out`` adds u_out * |result| <= u_out * bound. The factor 2 covers products and FMA.
+    """
+    return (UNIT[out_dtype] + 2 * (n_terms + 2) * UNIT[acc]) * bound + 1e-300

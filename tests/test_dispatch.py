@@ -1,0 +1,234 @@
+"""Backend selection (SPEC section 4), with recording fake backends; plug-ins through entry
+points; array kinds (torch CPU tensors in and out, zero-copy); and that importing convcov
+imports no framework."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import convcov
+from convcov import Backend, BackendError, _registry
+
+from kinds import HAS_TORCH
+
+
+class Recorder(Backend):
+    """Records the problems it is given; computes nothing."""
+
+    def __init__(self, name, device="cpu", reason=None, dtypes=None):
+        self.name, self.device, self.calls = name, device, []
+        self._reason, self._probed = reason, True
+        if dtypes is not None:
+            self.dtypes = frozenset(dtypes)
+
+    def accumulate(self, problem):
+        self.calls.append(problem)
+
+
+@pytest.fixture
+def fakes(monkeypatch):
+    monkeypatch.delenv("CONVCOV_BACKEND", raising=False)
+    made = {
+        "fake_a": Recorder("fake_a"),
+        "fake_b": Recorder("fake_b"),
+        "fake_missing": Recorder("fake_missing", reason="fake: not installed"),
+        "fake_cuda": Recorder("fake_cuda", device="cuda"),
+    }
+    for b in made.values():
+        convcov.register_backend(b)
+    yield made
+    for n in made:
+        _registry.unregister(n)
+
+
+def small():
+    return (np.zeros((1, 2, 2, 2, 2, 2, 2), np.float32), None,
+            np.ones((1, 2, 4, 4), np.float32), 1.0, 3)
+
+
+def test_argument_beats_environment(fakes, monkeypatch):
+    monkeypatch.setenv("CONVCOV_BACKEND", "fake_b")
+    convcov.accumulate(*small(), backend="fake_a")
+    assert len(fakes["fake_a"].calls) == 1 and not fakes["fake_b"].calls
+
+
+def test_environment_read_per_call(fakes, monkeypatch):
+    monkeypatch.setenv("CONVCOV_BACKEND", "fake_b")
+    convcov.accumulate(*small())
+    monkeypatch.setenv("CONVCOV_BACKEND", "fake_a")
+    convcov.accumulate(*small())
+    assert len(fakes["fake_a"].calls) == 1 and len(fakes["fake_b"].calls) == 1
+
+
+def test_preference_list_skips_unavailable_and_wrong_device(fakes, monkeypatch):
+    monkeypatch.setenv("CONVCOV_BACKEND", "fake_missing, fake_cuda, fake_b, fake_a")
+    convcov.accumulate(*small())
+    assert len(fakes["fake_b"].calls) == 1 and not fakes["fake_a"].calls
+    assert not fakes["fake_cuda"].calls and not fakes["fake_missing"].calls
+
+
+def test_preference_list_as_argument(fakes):
+    convcov.accumulate(*small(), backend=["fake_missing", "fake_a"])
+    assert len(fakes["fake_a"].calls) == 1
+
+
+def test_no_usable_backend_explains_each(fakes, monkeypatch):
+    monkeypatch.setenv("CONVCOV_BACKEND", "fake_missing,fake_cuda")
+    out = small()[0]
+    with pytest.raises(BackendError) as info:
+        convcov.accumulate(out, *small()[1:])
+    msg = str(info.value)
+    assert "CONVCOV_BACKEND" in msg and "fake: not installed" in msg
+    assert "fake_cuda: runs on cuda arrays, these are cpu arrays" in msg
+
+
+def test_unknown_name_in_environment(fakes, monkeypatch):
+    monkeypatch.setenv("CONVCOV_BACKEND", "fake_a,fakr_b")
+    # typos are errors even when an earlier name would do: they would hide later
+    with pytest.raises(BackendError, match="unknown backend 'fakr_b'"):
+        convcov.accumulate(*small())
+
+
+def test_dtype_not_handled(fakes):
+    convcov.register_backend(Recorder("fake_f64", dtypes={"float64"}))
+    try:
+        with pytest.raises(BackendError, match="fake_f64: does not compute on float32"):
+            convcov.accumulate(*small(), backend="fake_f64")
+    finally:
+        _registry.unregister("fake_f64")
+
+
+def test_automatic_order_host(fakes, monkeypatch):
+    monkeypatch.setitem(_registry.AUTO, "cpu", ("fake_missing", "fake_b", "fake_a"))
+    convcov.accumulate(*small())
+    assert len(fakes["fake_b"].calls) == 1
+
+
+def test_automatic_host_choice_is_numba_then_numpy(monkeypatch):
+    monkeypatch.delenv("CONVCOV_BACKEND", raising=False)
+    numba_ok = _registry.get("numba").unavailable_reason() is None
+    want = "numba" if numba_ok else "numpy"
+    assert _registry.select(None, "cpu", frozenset({"float32"})).name == want
+
+
+class FakeCudaArray:
+    """Looks like a CUDA array (``__cuda_array_interface__``), points nowhere."""
+
+    def __init__(self, shape, typestr="<f4", ptr=0x7F0000000000):
+        self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr,
+                                         "data": (ptr, False), "version": 3, "strides": None}
+
+
+def test_cuda_arrays_routed_to_cuda_backend(fakes):
+    out = FakeCudaArray((1, 2, 2, 2, 2, 2, 2), ptr=0x10000000)
+    mu = FakeCudaArray((1, 2, 4, 4), ptr=0x20000000)
+    convcov.accumulate(out, None, mu, 2.0, 3, backend="fake_cuda")
+    (p,) = fakes["fake_cuda"].calls
+    assert p.kind == "cai" and p.device[0] == "cuda" and p.out is out and p.c_value == 2.0
+    with pytest.raises(BackendError, match="fake_a: runs on cpu arrays, these are cuda"):
+        convcov.accumulate(out, None, mu, 2.0, 3, backend="fake_a")
+
+
+def test_cuda_arrays_without_gpu_backend_give_clear_error(monkeypatch):
+    monkeypatch.delenv("CONVCOV_BACKEND", raising=False)
+    if any(_registry.get(n).unavailable_reason() is None for n in _registry.AUTO["cuda"]):
+        pytest.skip("a GPU backend is usable here")
+    out = FakeCudaArray((1, 2, 2, 2, 2, 2, 2), ptr=0x10000000)
+    mu = FakeCudaArray((1, 2, 4, 4), ptr=0x20000000)
+    with pytest.raises(BackendError, match="automatic choice \\(cupy, numba_cuda\\)"):
+        convcov.accumulate(out, None, mu, 1.0, 3)
+
+
+def test_backends_listing():
+    rows = convcov.backends()
+    names = [r.name for r in rows]
+    assert names[:4] == ["numpy", "numba", "numba_cuda", "cupy"]
+    by = {r.name: r for r in rows}
+    assert by["numpy"].available and by["numpy"].device == "cpu" and by["numpy"].reason == ""
+    for r in rows:
+        assert r.available == (r.reason == ""), r
+
+
+def test_entry_point_plugin(tmp_path):
+    """A third-party backend registers through the ``convcov.backends`` entry-point group."""
+    (tmp_path / "myplug.py").write_text(textwrap.dedent("""
+        import convcov
+        class Plug(convcov.Backend):
+            name, device = "myplug", "cpu"
+            def accumulate(self, p):
+                p.out[...] += 1
+        backend = Plug()
+    """))
+    dist = tmp_path / "myplug-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: myplug\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[convcov.backends]\nmyplug = myplug:backend\n")
+    code = textwrap.dedent("""
+        import numpy as np, convcov
+        assert "myplug" in [b.name for b in convcov.backends()]
+        out = np.zeros((1, 1, 1, 1, 1, 1))
+        convcov.accumulate(out, None, np.ones((1, 1, 1, 1)), 1.0, 1, backend="myplug")
+        assert out.sum() == 1, out
+        print("ok")
+    """)
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr
+
+
+def test_import_pulls_in_no_framework():
+    """``import convcov`` and a host call import neither torch, cupy nor numba.cuda."""
+    code = textwrap.dedent("""
+        import sys, numpy as np, convcov
+        convcov.accumulate(np.zeros((1, 1, 1, 1, 1, 1)), None, np.ones((1, 1, 1, 1)), 1.0, 1,
+                           backend="numpy")
+        heavy = [m for m in ("torch", "cupy", "numba", "numba.cuda", "jax") if m in sys.modules]
+        print(",".join(heavy))
+    """)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == ""
+
+
+def test_automatic_host_call_does_not_import_gpu_libraries():
+    code = textwrap.dedent("""
+        import sys, numpy as np, convcov
+        convcov.accumulate(np.zeros((1, 1, 1, 1, 1, 1)), None, np.ones((1, 1, 1, 1)), 1.0, 1)
+        print(",".join(m for m in ("torch", "cupy", "numba.cuda") if m in sys.modules))
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "CONVCOV_BACKEND"}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == ""
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="torch not installed")
+def test_torch_cpu_tensors_zero_copy_and_requires_grad():
+    import torch
+
+    rng = np.random.default_rng(3)
+    out_np = rng.standard_normal((2, 4, 3, 3, 4, 3, 3))
+    out = torch.from_numpy(out_np.copy())
+    gamma = torch.from_numpy(rng.random((2, 2, 5, 5, 2, 5, 5)))
+    mu = torch.from_numpy(rng.standard_normal((2, 2, 5, 5))).requires_grad_(True)
+    c = torch.from_numpy(rng.random(4))
+    ptr = out.data_ptr()
+    res = convcov.accumulate(out, gamma, mu, c, 3, backend="numpy")
+    assert res is out and out.data_ptr() == ptr
+    want = convcov.accumulate(out_np.copy(), gamma.numpy(), mu.detach().numpy(), c.numpy(), 3,
+                              backend="numpy")
+    np.testing.assert_array_equal(out.numpy(), want)
+    # a non-contiguous view of a larger tensor is written in place
+    big = torch.zeros(2, 8, 3, 3, 8, 3, 3, dtype=torch.float64)
+    view = big[:, ::2, :, :, ::2]
+    convcov.accumulate(view, gamma, mu, c, 3, backend="numpy")
+    delta = convcov.accumulate(np.zeros_like(out_np), gamma.numpy(), mu.detach().numpy(),
+                               c.numpy(), 3, backend="numpy")
+    np.testing.assert_array_equal(view.numpy(), delta)
+    assert big[:, 1::2].abs().sum() == 0
