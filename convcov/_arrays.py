@@ -55,40 +55,56 @@ def is_cupy(x) -> bool:
     return cupy is not None and isinstance(x, cupy.ndarray)
 
 
+_NUMPY_NAMES = {np.dtype(n): n for n in ("float16", "float32", "float64")}
+_TORCH_NAMES: dict = {}  # torch.dtype -> name, filled on first use (torch is imported then)
+
+
 def _numpy_dtype_name(dt: np.dtype) -> str:
-    if dt.kind == "f" and dt.itemsize in (2, 4, 8):
-        return dt.name
-    if dt.name == "bfloat16":  # ml_dtypes.bfloat16
-        return "bfloat16"
-    return str(dt)
+    name = _NUMPY_NAMES.get(dt)  # dt.name costs ~1.5 µs: too much on the toy workload
+    if name is not None:
+        return name
+    return "bfloat16" if dt.name == "bfloat16" else str(dt)  # ml_dtypes.bfloat16
 
 
-def _elem_strides(byte_strides, itemsize) -> tuple:
+def _torch_dtype_name(dt) -> str:
+    name = _TORCH_NAMES.get(dt)
+    if name is None:
+        name = _TORCH_NAMES[dt] = str(dt).removeprefix("torch.")
+    return name
+
+
+def _elem_strides(byte_strides, itemsize):
     # numpy allows byte strides that are not multiples of the item size (as_strided tricks);
-    # convcov indexes in elements, so such arrays are refused by validation (TypeError).
-    if any(s % itemsize for s in byte_strides):
+    # convcov indexes in elements, so validation refuses such arrays (strides None).
+    strides = tuple([s // itemsize for s in byte_strides])
+    if itemsize > 1 and any([s % itemsize for s in byte_strides]):
         return None
-    return tuple(s // itemsize for s in byte_strides)
+    return strides
+
+
+_HOST = ("cpu", None)
 
 
 def info(x, name: str) -> ArrayInfo:
-    """Describe array argument ``name``; TypeError for anything that is not an array."""
+    """Describe array argument ``name``; TypeError for anything that is not an array.
+
+    Called four times per ``accumulate``: every attribute read here is on the hot path of
+    small calls, hence the dtype-name caches.
+    """
     if isinstance(x, np.ndarray):
-        dtype = _numpy_dtype_name(x.dtype)
-        return ArrayInfo(
-            "numpy", ("cpu", None), dtype, x.shape,
-            _elem_strides(x.strides, x.dtype.itemsize),
-            x.__array_interface__["data"][0], not x.flags.writeable,
-        )
+        return ArrayInfo("numpy", _HOST, _numpy_dtype_name(x.dtype), x.shape,
+                         _elem_strides(x.strides, x.itemsize),
+                         x.__array_interface__["data"][0], not x.flags.writeable)
     if is_torch(x):
-        dev = x.device
-        dtype = str(x.dtype).removeprefix("torch.")
-        device = ("cpu", None) if dev.type == "cpu" else (dev.type, dev.index)
-        return ArrayInfo("torch", device, dtype, tuple(x.shape), tuple(x.stride()),
-                         x.data_ptr(), False)
+        if x.is_cuda:
+            device = ("cuda", x.get_device())
+        else:
+            dev = x.device
+            device = _HOST if dev.type == "cpu" else (dev.type, dev.index)
+        return ArrayInfo("torch", device, _torch_dtype_name(x.dtype), tuple(x.shape),
+                         x.stride(), x.data_ptr(), False)
     if is_cupy(x):
-        dtype = _numpy_dtype_name(x.dtype)
-        return ArrayInfo("cupy", ("cuda", x.device.id), dtype, x.shape,
+        return ArrayInfo("cupy", ("cuda", x.device.id), _numpy_dtype_name(x.dtype), x.shape,
                          _elem_strides(x.strides, x.dtype.itemsize), x.data.ptr, False)
     cai = getattr(x, "__cuda_array_interface__", None)
     if cai is not None:
@@ -125,11 +141,11 @@ def _cai_device(x, ptr) -> int | None:
 
 def extent(a: ArrayInfo) -> tuple[int, int] | None:
     """[lo, hi) byte range an array can touch; None when it has no elements."""
-    if a.strides is None or any(n == 0 for n in a.shape):
-        return None
     size = ITEMSIZE.get(a.dtype, 1)
     lo = hi = a.ptr
     for n, s in zip(a.shape, a.strides):
+        if n == 0:
+            return None
         span = (n - 1) * s * size
         if span < 0:
             lo += span
@@ -138,7 +154,10 @@ def extent(a: ArrayInfo) -> tuple[int, int] | None:
     return lo, hi + size
 
 
-def overlaps(a: ArrayInfo, b: ArrayInfo) -> bool:
+def overlaps(a: ArrayInfo, x, b: ArrayInfo, y) -> bool:
+    """Whether arrays x (described by a) and y (by b) may share memory (bounds check)."""
+    if a.kind == "numpy":
+        return np.may_share_memory(x, y)
     ea, eb = extent(a), extent(b)
     return ea is not None and eb is not None and ea[0] < eb[1] and eb[0] < ea[1]
 

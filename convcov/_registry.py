@@ -106,11 +106,13 @@ def register(backend: Backend) -> None:
         raise ValueError(f"register: backend.device must be 'cpu' or 'cuda'; got {backend.device!r}")
     with _lock:
         _extra[backend.name] = backend
+        _choices.clear()
 
 
 def unregister(name: str) -> None:
     with _lock:
         _extra.pop(name, None)
+        _choices.clear()
 
 
 def _load_entry_points() -> None:
@@ -129,6 +131,7 @@ def _load_entry_points() -> None:
             backend = _Unloadable(ep.name, "cpu", f"entry point failed to load: {exc!r}")
         _extra.setdefault(ep.name, backend)
     _entry_points_loaded = True
+    _choices.clear()
 
 
 def names() -> list[str]:
@@ -196,8 +199,24 @@ def _refusal(b: Backend, device: str, dtypes: frozenset) -> str | None:
     return None
 
 
+_choices: dict = {}  # (request, env value, device, dtypes) -> Backend; cleared on register
+
+
 def select(requested, device: str, dtypes: frozenset) -> Backend:
-    """Pick the backend for one call (see the module docstring for the order)."""
+    """Pick the backend for one call (see the module docstring for the order).
+
+    The choice is cached per (request, CONVCOV_BACKEND value, device, dtypes): availability
+    is probed once per process anyway, and small calls cannot afford the search.
+    """
+    key = (requested if requested is None or isinstance(requested, str) else tuple(requested),
+           os.environ.get(ENV_VAR), device, dtypes)
+    b = _choices.get(key)
+    if b is None:
+        b = _choices[key] = _select(requested, device, dtypes)
+    return b
+
+
+def _select(requested, device: str, dtypes: frozenset) -> Backend:
     if requested is not None:
         prefs, source = _parse(requested, "backend="), "backend="
     elif os.environ.get(ENV_VAR, "").strip():

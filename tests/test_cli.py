@@ -1,0 +1,38 @@
+"""The ``convcov`` command line: ``info`` lists the backends, ``bench`` checks and times
+(here only that it runs and reports a correct result: timings are never asserted)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from convcov import cli
+
+pytest.importorskip("rich")
+
+
+def test_info(capsys):
+    cli.main(["info"])
+    text = capsys.readouterr().out
+    for name in ("numpy", "numba", "numba_cuda", "cupy"):
+        assert name in text
+
+
+def test_bench_toy_json(tmp_path, capsys):
+    path = tmp_path / "r.json"
+    cli.main(["bench", "--device", "cpu", "--workload", "toy", "--backend", "numpy",
+              "--no-torch", "--repeat", "3", "--budget", "0.1", "--json", str(path)])
+    result = json.loads(path.read_text())
+    (row,) = result["rows"]
+    assert row["workload"] == "toy" and row["impl"] == "numpy" and row["calls"] == 3
+    assert row["rel_error"] < 1e-6
+    assert row["median_us"] > 0 and row["fraction"] == pytest.approx(
+        row["floor_us"] / row["median_us"])
+    assert result["copy_bandwidth_GBps"] > 0
+    assert "toy" in capsys.readouterr().out
+
+
+def test_bench_rejects_unknown_device():
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--device", "tpu"])
