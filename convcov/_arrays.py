@@ -141,17 +141,13 @@ def _cai_device(x, ptr) -> int | None:
 
 def extent(a: ArrayInfo) -> tuple[int, int] | None:
     """[lo, hi) byte range an array can touch; None when it has no elements."""
+    if 0 in a.shape:
+        return None
     size = ITEMSIZE.get(a.dtype, 1)
-    lo = hi = a.ptr
-    for n, s in zip(a.shape, a.strides):
-        if n == 0:
-            return None
-        span = (n - 1) * s * size
-        if span < 0:
-            lo += span
-        else:
-            hi += span
-    return lo, hi + size
+    spans = [(n - 1) * s for n, s in zip(a.shape, a.strides)]  # one pass: this is per call
+    lo = a.ptr + size * sum([d for d in spans if d < 0])
+    hi = a.ptr + size * (sum([d for d in spans if d > 0]) + 1)
+    return lo, hi
 
 
 def overlaps(a: ArrayInfo, x, b: ArrayInfo, y) -> bool:

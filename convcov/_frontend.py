@@ -1,18 +1,26 @@
 """The public entry points: argument normalisation, validation, dispatch.
 
-Owns ``accumulate`` and ``patch_moment``. Every check of SPEC section 3 happens here,
-once, before any backend runs, so a rejected call leaves ``out`` bit-identical. Backends
-receive a :class:`Problem`: checked shapes, conv parameters as pairs, the layouts, dtype
-names, the accumulation dtype and the arrays (numpy views of host arrays; the user's
-objects for CUDA arrays).
+Owns ``accumulate`` and ``patch_moment``, and the backward entry ``patch_moment_vjp``.
+Every check of SPEC section 3 happens here, once, before any backend runs, so a rejected
+call leaves ``out`` bit-identical. Backends receive a :class:`Problem` (or, for the
+backward, an :class:`Adjoint`): checked shapes, conv parameters as pairs, the layouts,
+dtype names, the accumulation dtype and the arrays (numpy views of host arrays; the
+user's objects for CUDA arrays).
 
-Must not: compute (that is the backends' job), or copy ``out`` / ``gamma``.
+Torch tensors that autograd records (grad mode on, an input requires grad), and any
+tensor while ``torch.compile`` traces, are routed to convcov's torch operators
+(``convcov/torch_ops.py``, imported then and only then): they give the gradients and keep
+the compiled graph whole. Every other call takes the direct path below, unchanged.
+
+Must not: compute (that is the backends' job), copy ``out`` / ``gamma``, or import torch.
 """
 
 from __future__ import annotations
 
 import numbers
 import operator
+import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +28,10 @@ import numpy as np
 
 from . import _arrays, _registry
 from ._arrays import FLOAT_DTYPES, ArrayInfo
-from ._errors import ShapeError
+from ._errors import BackendError, ShapeError
+
+_ndarray = np.ndarray  # module globals: the hot path's first check costs one lookup
+_modules = sys.modules
 
 
 @dataclass(slots=True)  # not frozen: a frozen __init__ costs microseconds per call
@@ -109,15 +120,44 @@ def _expect(name, got, expected, what):
         raise ShapeError(f"{name}: expected shape {what} = {tuple(expected)}; got {tuple(got)}")
 
 
-def normalise(out, gamma, mu, c, kernel_size, stride, padding, dilation, groups) -> Problem:
-    """Validate one call and describe it as a :class:`Problem` (no side effects)."""
+_param_cache: dict = {}  # conv parameters as given (plain ints / tuples) -> parsed
+
+
+def _plain_param(v) -> bool:
+    """An int or a tuple of ints, exactly (so True never hits the cache entry of 1)."""
+    if type(v) is int:
+        return True
+    if type(v) is tuple:
+        for e in v:
+            if type(e) is not int:
+                return False
+        return True
+    return False
+
+
+def _params(kernel_size, stride, padding, dilation, groups):
+    """(G, (kh, kw), weight, (sh, sw), (ph, pw), (dh, dw)), parsed once per distinct set."""
+    key = None
+    if (_plain_param(kernel_size) and _plain_param(stride) and _plain_param(padding)
+            and _plain_param(dilation) and type(groups) is int):
+        key = (kernel_size, stride, padding, dilation, groups)
+        hit = _param_cache.get(key)
+        if hit is not None:
+            return hit
     G = _int("groups", groups)
     if G < 1:
         raise ShapeError(f"groups: expected >= 1; got {G}")
-    (kh, kw), weight = _kernel(kernel_size, G)
-    sh, sw = _pair("stride", stride, 1)
-    ph, pw = _pair("padding", padding, 0)
-    dh, dw = _pair("dilation", dilation, 1)
+    parsed = (G, *_kernel(kernel_size, G), _pair("stride", stride, 1),
+              _pair("padding", padding, 0), _pair("dilation", dilation, 1))
+    if key is not None and len(_param_cache) < 4096:
+        _param_cache[key] = parsed
+    return parsed
+
+
+def normalise(out, gamma, mu, c, kernel_size, stride, padding, dilation, groups) -> Problem:
+    """Validate one call and describe it as a :class:`Problem` (no side effects)."""
+    G, (kh, kw), weight, (sh, sw), (ph, pw), (dh, dw) = _params(
+        kernel_size, stride, padding, dilation, groups)
 
     mu_i = _arrays.info(mu, "mu")
     out_i = _arrays.info(out, "out")
@@ -220,8 +260,10 @@ def _out_size(n, k, s, p, d, dim, kdim):
 
 
 def _dtypes(p: Problem) -> frozenset:
-    infos = (p.out_info, p.gamma_info, p.mu_info, p.c_info)
-    return frozenset(a.dtype for a in infos if a is not None)
+    # No generator: this runs on every call, and a generator costs twice as much.
+    mu, gamma, c = p.mu_info.dtype, p.gamma_info, p.c_info
+    return frozenset((p.out_info.dtype, mu, mu if gamma is None else gamma.dtype,
+                      mu if c is None else c.dtype))
 
 
 def accumulate(out, gamma, mu, c, kernel_size, *, stride=1, padding=0, dilation=1,
@@ -230,7 +272,9 @@ def accumulate(out, gamma, mu, c, kernel_size, *, stride=1, padding=0, dilation=
 
     ``out[b, c0, i0, j0, (c0,) i1, j1] += c[c0] * S[b, g(c0), i0, j0, i1, j1]`` with ``S``
     the patch moment of SPEC section 1 (see :func:`patch_moment`). Only the
-    channel-diagonal of a full-layout ``out`` changes. Returns ``out`` itself.
+    channel-diagonal of a full-layout ``out`` changes. Returns ``out`` itself. On torch
+    tensors it is an in-place op that autograd and ``torch.compile`` understand
+    (docs/autograd.md).
 
     >>> import numpy as np, convcov
     >>> mu = np.ones((1, 2, 4, 4), np.float32)
@@ -238,6 +282,30 @@ def accumulate(out, gamma, mu, c, kernel_size, *, stride=1, padding=0, dilation=
     >>> convcov.accumulate(out, None, mu, 0.5, 3, backend="numpy")[0, 1, 0, 0, 1, 1, 1]
     np.float32(9.0)
     """
+    # Torch while torch.compile or a tracer looks: the operator, before anything reads data.
+    if (type(mu) is not _ndarray and (type(mu) not in _torch_plain or _is_compiling())
+            and _traced(mu)):
+        return _ops().accumulate(out, gamma, mu, c, kernel_size, stride, padding, dilation,
+                                 groups, backend)
+    p = normalise(out, gamma, mu, c, kernel_size, stride, padding, dilation, groups)
+    b = _registry.select(backend, p.device[0], _dtypes(p))
+    if p.kind == "torch":
+        # Autograd records this call (out and mu are torch tensors now): the operator.
+        if _grad_enabled() and (out.requires_grad or mu.requires_grad
+                                or (gamma is not None and gamma.requires_grad)
+                                or getattr(c, "requires_grad", False)):
+            return _ops().accumulate(out, gamma, mu, c, kernel_size, stride, padding,
+                                     dilation, groups, backend)
+        _increment_version(out)  # count the write, as torch's in-place ops do
+    if not p.empty:
+        b.accumulate(p)
+    return out
+
+
+def accumulate_unrouted(out, gamma, mu, c, kernel_size, stride, padding, dilation, groups,
+                        backend):
+    """:func:`accumulate` without the torch routing: the kernel of ``convcov::accumulate_``
+    (torch_ops.py), which runs below autograd and counts the write itself."""
     p = normalise(out, gamma, mu, c, kernel_size, stride, padding, dilation, groups)
     b = _registry.select(backend, p.device[0], _dtypes(p))
     if not p.empty:
@@ -252,12 +320,22 @@ def patch_moment(gamma, mu, kernel_size, *, stride=1, padding=0, dilation=1, gro
     Shape ``(B, G, Ho, Wo, Ho, Wo)``, same array library and device as ``mu``, float32
     (float64 when any input is float64). ``accumulate`` adds ``c[c0] * S[:, g(c0)]`` to
     the diagonal of ``out``; this is that ``S`` on its own, Co / G times smaller.
+    Differentiable on torch tensors (docs/autograd.md).
 
     >>> import numpy as np, convcov
     >>> S = convcov.patch_moment(None, np.ones((1, 1, 3, 3)), 2, backend="numpy")
     >>> S.shape, float(S[0, 0, 0, 0, 1, 1])
     ((1, 1, 2, 2, 2, 2), 4.0)
     """
+    if type(mu) is not _ndarray and (_traced(mu) or _records(None, gamma, mu, None)):
+        return _ops().patch_moment(gamma, mu, kernel_size, stride, padding, dilation, groups,
+                                   backend)
+    return patch_moment_unrouted(gamma, mu, kernel_size, stride, padding, dilation, groups,
+                                 backend)
+
+
+def check_patch_moment(gamma, mu, kernel_size, stride, padding, dilation, groups, backend):
+    """Validate a ``patch_moment`` call; ``(shape of S, dtype name of S, conv parameters)``."""
     G = _int("groups", groups)
     mu_i = _arrays.info(mu, "mu")
     if G < 1:
@@ -285,8 +363,247 @@ def patch_moment(gamma, mu, kernel_size, *, stride=1, padding=0, dilation=1, gro
     device = mu_i.device[0]
     if device in ("cpu", "cuda"):
         _registry.select(backend, device, frozenset(dtypes))
-    S = _arrays.zeros_like_kind(mu, mu_i, (B, G, Ho, Wo, Ho, Wo),
-                                "float64" if "float64" in dtypes else "float32")
+    return ((B, G, Ho, Wo, Ho, Wo), "float64" if "float64" in dtypes else "float32",
+            ((kh, kw), (sh, sw), (ph, pw), (dh, dw), G))
+
+
+def patch_moment_unrouted(gamma, mu, kernel_size, stride, padding, dilation, groups, backend):
+    """:func:`patch_moment` without the torch routing (the kernel of ``convcov::patch_moment``)."""
+    shape, dtype, (k, s, p, d, G) = check_patch_moment(gamma, mu, kernel_size, stride, padding,
+                                                        dilation, groups, backend)
+    S = _arrays.zeros_like_kind(mu, _arrays.info(mu, "mu"), shape, dtype)
     # S is "accumulate into zeros with one output channel per group and c = 1".
-    return accumulate(S, gamma, mu, 1.0, (kh, kw), stride=(sh, sw), padding=(ph, pw),
-                      dilation=(dh, dw), groups=G, backend=backend)
+    return accumulate_unrouted(S, gamma, mu, 1.0, k, s, p, d, G, backend)
+
+
+# ---------------------------------------------------------------------------------------
+# Torch: routing to the operators of torch_ops.py, and counting in-place writes.
+
+_torch_ops = None  # convcov.torch_ops, once a call needed it (importing it imports torch)
+_torch_plain: tuple = ()  # (torch.Tensor, torch.nn.Parameter), once a torch tensor was seen
+
+
+def _is_compiling() -> bool:  # torch.compiler.is_compiling, once a torch tensor was seen
+    return False
+
+
+def _increment_version(t) -> None:  # torch.autograd.graph.increment_version, likewise
+    raise AssertionError("only called for torch tensors, after _traced")
+
+
+def _grad_enabled() -> bool:  # torch.is_grad_enabled, likewise
+    raise AssertionError("only called for torch tensors, after _traced")
+
+
+def _traced(mu) -> bool:
+    """Whether ``mu`` is a torch tensor that ``torch.compile`` or a tracer is looking at:
+    the call must then become convcov's operator (one graph node, not a graph break) and
+    nothing may read its data. True for tensor subclasses (tracers' fake and functional
+    tensors). Written so that Dynamo traces it: no import, no data pointer, no numpy.
+
+    The first torch tensor binds the torch functions used on the hot path, so that later
+    calls pay one type check and ``_is_compiling()`` (see ``accumulate``).
+    """
+    global _torch_plain, _is_compiling, _increment_version, _grad_enabled
+    torch = _modules.get("torch")
+    if torch is None or not isinstance(mu, torch.Tensor):
+        return False
+    if not _torch_plain:
+        _is_compiling = torch.compiler.is_compiling
+        _increment_version = torch.autograd.graph.increment_version
+        _grad_enabled = torch.is_grad_enabled
+        _torch_plain = (torch.Tensor, torch.nn.Parameter)
+    return type(mu) not in _torch_plain or _is_compiling()
+
+
+def _records(out, gamma, mu, c) -> bool:
+    """Whether autograd records a call on torch tensors: grad mode on and an input
+    requires grad. Such calls go through the operator, which gives the gradients.
+    (``accumulate`` inlines this, for arrays it has validated.)"""
+    torch = _modules.get("torch")
+    if torch is None or not torch.is_grad_enabled():
+        return False
+    T = torch.Tensor  # no generator, no _any_requires_grad: both cost more on this path
+    return ((isinstance(mu, T) and mu.requires_grad) or (isinstance(out, T) and out.requires_grad)
+            or (isinstance(gamma, T) and gamma.requires_grad)
+            or (isinstance(c, T) and c.requires_grad))
+
+
+def _ops():
+    global _torch_ops
+    if _torch_ops is None:
+        from . import torch_ops
+
+        _torch_ops = torch_ops
+    return _torch_ops
+
+
+# ---------------------------------------------------------------------------------------
+# The backward: patch_moment_vjp (docs/autograd.md).
+
+
+@dataclass(slots=True)
+class Adjoint:
+    """One validated backward call of ``patch_moment``: ``grad_S`` in, the gradients of mu
+    and of gamma's channel-diagonal out. Names as in :class:`Problem`."""
+
+    grad_S: Any  # (B, G, Ho, Wo, Ho, Wo), read
+    grad_gamma: Any  # full (B, Ci, H, W, Ci, H, W), diagonal (B, Ci, H, W, H, W), or None
+    grad_mu: Any  # (B, Ci, H, W), or None
+    mu: Any  # (B, Ci, H, W), read
+    grad_S_info: ArrayInfo
+    grad_gamma_info: ArrayInfo | None
+    grad_mu_info: ArrayInfo | None
+    mu_info: ArrayInfo
+    full_gamma: bool  # grad_gamma has the full layout: write only its channel-diagonal
+    B: int
+    Ci: int
+    G: int
+    H: int
+    W: int
+    Ho: int
+    Wo: int
+    kh: int
+    kw: int
+    sh: int
+    sw: int
+    ph: int
+    pw: int
+    dh: int
+    dw: int
+    acc: str  # "float32" or "float64"
+    kind: str
+    device: tuple
+
+    @property
+    def empty(self) -> bool:
+        return 0 in (self.B, self.Ci, self.H, self.W) or (self.grad_gamma is None
+                                                        and self.grad_mu is None)
+
+
+def conv_params(kernel_size, stride, padding, dilation, groups):
+    """Checked conv parameters ``(G, (kh, kw), weight, stride, padding, dilation)``, each a
+    pair of ints; ``weight`` is ``(Co, Ci // G)`` of a 4-item kernel_size, else None."""
+    G = _int("groups", groups)
+    if G < 1:
+        raise ShapeError(f"groups: expected >= 1; got {G}")
+    k, weight = _kernel(kernel_size, G)
+    return (G, k, weight, _pair("stride", stride, 1), _pair("padding", padding, 0),
+            _pair("dilation", dilation, 1))
+
+
+def patch_moment_vjp(grad_S, mu, kernel_size, *, grad_gamma=None, grad_mu=None, stride=1,
+                     padding=0, dilation=1, groups=1, backend=None) -> None:
+    """The backward of :func:`patch_moment`: given ``grad_S = dL/dS``, overwrite
+    ``grad_mu`` with ``dL/dmu`` and the channel-diagonal of ``grad_gamma`` with ``dL/dgamma``.
+
+    ``grad_S``: ``(B, G, Ho, Wo, Ho, Wo)``. ``grad_gamma``: full ``(B, Ci, H, W, Ci, H, W)``
+    (only its channel-diagonal is written; the rest is the caller's, normally zeros) or
+    diagonal ``(B, Ci, H, W, H, W)``; None when not wanted, likewise ``grad_mu``,
+    ``(B, Ci, H, W)``. The forward's gamma is not needed: S is linear in it. Arrays of one
+    kind on one device, any strides, float dtypes; sums in float32 or wider, each result
+    rounded once into its array. The backend is chosen as for the forward, among those
+    that have a backward. Torch autograd calls this through ``convcov::patch_moment_vjp``.
+
+    >>> import numpy as np
+    >>> from convcov._frontend import patch_moment_vjp
+    >>> grad_mu = np.empty((1, 1, 3, 3))
+    >>> patch_moment_vjp(np.ones((1, 1, 2, 2, 2, 2)), np.ones((1, 1, 3, 3)), 2,
+    ...                  grad_mu=grad_mu, backend="numpy")
+    >>> float(grad_mu[0, 0, 1, 1])  # the centre is in all 4 windows: 4 * 2 * (sum of 4 * 1)
+    32.0
+    """
+    G, (kh, kw), weight, (sh, sw), (ph, pw), (dh, dw) = conv_params(
+        kernel_size, stride, padding, dilation, groups)
+    arrays = [("grad_S", _arrays.info(grad_S, "grad_S")), ("mu", _arrays.info(mu, "mu"))]
+    if grad_gamma is not None:
+        arrays.append(("grad_gamma", _arrays.info(grad_gamma, "grad_gamma")))
+    if grad_mu is not None:
+        arrays.append(("grad_mu", _arrays.info(grad_mu, "grad_mu")))
+    infos = dict(arrays)
+    if len({(a.kind, a.device) for _, a in arrays}) > 1:
+        got = ", ".join(f"{n}: {a.kind} on {_device_str(a.device)}" for n, a in arrays)
+        raise TypeError(f"all arrays must be of one kind on one device; got {got}")
+    for n, a in arrays:
+        _check_dtype(n, a)
+    mu_i, S_i = infos["mu"], infos["grad_S"]
+    device_type = mu_i.device[0]
+    if device_type not in ("cpu", "cuda"):
+        raise TypeError(f"mu: arrays on {device_type!r} devices are not supported "
+                        "(only CPU and CUDA)")
+    if len(mu_i.shape) != 4:
+        raise ShapeError(f"mu: expected 4 dims (B, Ci, H, W); got shape {mu_i.shape}")
+    B, Ci, H, W = mu_i.shape
+    if Ci % G:
+        raise ShapeError(f"groups: Ci = {Ci} (mu.shape[1]) is not divisible by groups = {G}")
+    if weight is not None and (weight[1] * G != Ci or weight[0] % G):
+        raise ShapeError(f"kernel_size: weight shape expected (Co, Ci // groups, kh, kw) "
+                         f"with Ci // groups = {Ci // G} and Co divisible by {G}; "
+                         f"got {(*weight, kh, kw)}")
+    Ho = _out_size(H, kh, sh, ph, dh, "H", "kh")
+    Wo = _out_size(W, kw, sw, pw, dw, "W", "kw")
+    _expect("grad_S", S_i.shape, (B, G, Ho, Wo, Ho, Wo), "(B, G, Ho, Wo, Ho, Wo)")
+    gg_i, gm_i = infos.get("grad_gamma"), infos.get("grad_mu")
+    if gg_i is not None:
+        if len(gg_i.shape) == 7:
+            _expect("grad_gamma", gg_i.shape, (B, Ci, H, W, Ci, H, W), "(B, Ci, H, W, Ci, H, W)")
+        elif len(gg_i.shape) == 6:
+            _expect("grad_gamma", gg_i.shape, (B, Ci, H, W, H, W), "(B, Ci, H, W, H, W)")
+        else:
+            raise ShapeError(f"grad_gamma: expected 7 dims (B, Ci, H, W, Ci, H, W) or 6 dims "
+                             f"(B, Ci, H, W, H, W); got shape {gg_i.shape}")
+    if gm_i is not None:
+        _expect("grad_mu", gm_i.shape, (B, Ci, H, W), "(B, Ci, H, W)")
+    # The gradients are written: writable, and sharing memory with nothing else here.
+    written = [(n, infos[n], x) for n, x in (("grad_gamma", grad_gamma), ("grad_mu", grad_mu))
+               if x is not None]
+    for n, a, x in written:
+        if a.readonly:
+            raise ValueError(f"{n}: is read-only; patch_moment_vjp writes into it")
+        for m, y in (("grad_S", grad_S), ("mu", mu), ("grad_gamma", grad_gamma)):
+            if m != n and y is not None and _arrays.overlaps(a, x, infos[m], y):
+                raise ValueError(f"{n}: shares memory with {m}; pass separate arrays")
+    dtypes = frozenset(a.dtype for _, a in arrays)
+    acc = "float64" if "float64" in dtypes else "float32"
+    b = _select_vjp(backend, device_type, dtypes)
+    host = device_type == "cpu"
+    views = {n: _arrays.host_view(x, infos[n].dtype) if host else x
+             for n, x in (("grad_S", grad_S), ("mu", mu), ("grad_gamma", grad_gamma),
+                          ("grad_mu", grad_mu)) if x is not None}
+    a = Adjoint(views["grad_S"], views.get("grad_gamma"), views.get("grad_mu"), views["mu"],
+                S_i, gg_i, gm_i, mu_i, gg_i is not None and len(gg_i.shape) == 7,
+                B, Ci, G, H, W, Ho, Wo, kh, kw, sh, sw, ph, pw, dh, dw, acc,
+                mu_i.kind, mu_i.device)
+    if not a.empty:
+        b.patch_moment_vjp(a)
+
+
+def has_vjp(b: _registry.Backend) -> bool:
+    """Whether backend ``b`` has its own backward (overrides ``patch_moment_vjp``)."""
+    return type(b).patch_moment_vjp is not _registry.Backend.patch_moment_vjp
+
+
+def _select_vjp(requested, device: str, dtypes: frozenset) -> _registry.Backend:
+    """The forward's choice when it has a backward; else the next preference that has one
+    (a name given alone, without a backward, is an error naming it)."""
+    b = _registry.select(requested, device, dtypes)
+    if has_vjp(b):
+        return b
+    if requested is not None:
+        prefs, source = _registry._parse(requested, "backend="), "backend="
+    elif os.environ.get(_registry.ENV_VAR, "").strip():
+        prefs = _registry._parse(os.environ[_registry.ENV_VAR], _registry.ENV_VAR)
+        source = _registry.ENV_VAR
+    else:
+        prefs, source = list(_registry.AUTO[device]), "automatic choice"
+    refusals = []
+    for n in prefs:
+        cand = _registry.get(n)
+        why = _registry._refusal(cand, device, dtypes)
+        if why is None and not has_vjp(cand):
+            why = f"{n}: has no backward (patch_moment_vjp) yet"
+        if why is None:
+            return cand
+        refusals.append(why)
+    raise BackendError(f"no backend from {source} ({', '.join(prefs)}) can run the backward "
+                       "of this call: " + "; ".join(refusals))

@@ -70,6 +70,18 @@ class Backend:
     def accumulate(self, problem) -> None:  # pragma: no cover - interface
         raise NotImplementedError
 
+    def patch_moment_vjp(self, adjoint) -> None:
+        """The backward of ``patch_moment`` (optional; docs/autograd.md has the contract).
+
+        ``adjoint`` is a checked :class:`convcov._frontend.Adjoint`: given ``grad_S``
+        (the gradient of ``S``), overwrite ``adjoint.grad_mu`` and the channel-diagonal of
+        ``adjoint.grad_gamma`` (each may be None: not wanted) with the gradients of mu and
+        of gamma. Backends that have no backward keep this default; the front end then
+        picks the next preference that has one, or raises this error.
+        """
+        raise BackendError(f"backend {self.name!r} has no backward (patch_moment_vjp) yet; "
+                           "gradients need a backend that has one (numpy has)")
+
     def __repr__(self):
         return f"<convcov backend {self.name!r} ({self.device})>"
 
@@ -151,9 +163,9 @@ def get(name: str) -> Backend:
             if name not in _loaded:
                 try:
                     _loaded[name] = importlib.import_module(BUILTIN[name]).backend
-                except ImportError as exc:
+                except Exception as exc:  # listing backends must survive a broken one
                     _loaded[name] = _Unloadable(name, _BUILTIN_DEVICE[name],
-                                                f"cannot import: {exc}")
+                                                f"cannot import: {exc!r}")
             return _loaded[name]
     _load_entry_points()
     if name in _extra:

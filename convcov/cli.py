@@ -1,6 +1,8 @@
-"""The ``convcov`` command: ``convcov bench`` (SPEC section 5 measurements) and
-``convcov info`` (backends, devices, versions). Argument parsing is argparse; tables and
-progress are rich (the ``bench`` extra)."""
+"""The ``convcov`` command: ``convcov bench`` (SPEC section 5 measurements), ``convcov
+plot`` (fraction-of-floor bars from saved results; also ``bench --plot``) and ``convcov
+info`` (backends, devices, versions). Argument parsing is argparse; tables and progress
+are rich (the ``bench`` extra); pictures are matplotlib (the ``plot`` extra), imported only
+when one is drawn."""
 
 from __future__ import annotations
 
@@ -27,10 +29,51 @@ def _cuda_usable() -> bool:
     return torch.cuda.is_available()
 
 
-def cmd_bench(args):
-    console = _console()
+class _LineProgress:
+    """rich.progress.Progress's interface as one printed line per row: a live progress bar
+    draws nothing when the output is not a terminal (a log, CI, a pipe), yet a long run
+    there still has to show where it is."""
+
+    def __init__(self, console):
+        self.console, self.total, self.done = console, 0, 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def add_task(self, description, total=0):
+        self.total, self.done = total, 0
+        return 0
+
+    def update(self, task, description=""):
+        self.console.print(f"[{self.done + 1}/{self.total}] {description} ...",
+                           highlight=False)
+
+    def advance(self, task):
+        self.done += 1
+
+
+def _progress(console):
+    if not console.is_terminal:
+        return _LineProgress(console)
     from rich.progress import Progress
 
+    return Progress(console=console, transient=True)
+
+
+def _need_matplotlib():
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        sys.exit("convcov: plotting needs matplotlib: pip install 'convcov[plot]'")
+
+
+def cmd_bench(args):
+    console = _console()
+    if args.plot:  # fail now, not after a long run
+        _need_matplotlib()
     from . import bench
 
     devices = {"auto": ["cpu"] + (["cuda"] if _cuda_usable() else []),
@@ -39,7 +82,7 @@ def cmd_bench(args):
         sys.exit("convcov bench: --device cuda needs torch with a CUDA device")
     results = []
     for device in devices:
-        with Progress(console=console, transient=True) as progress:
+        with _progress(console) as progress:
             result = bench.run(device, args.workload, args.backend, not args.no_torch,
                                args.repeat, args.budget, progress)
         console.print(bench.table(result))
@@ -47,6 +90,23 @@ def cmd_bench(args):
     if args.json:
         bench.save_json(results[0] if len(results) == 1 else {"runs": results}, args.json)
         console.print(f"wrote {args.json}")
+    if args.plot:
+        from . import plot
+
+        console.print(f"wrote {plot.fraction_of_floor(results, args.plot)}")
+
+
+def cmd_plot(args):
+    console = _console()
+    _need_matplotlib()
+    from . import plot
+
+    try:
+        result = plot.load(args.json)
+        path = plot.fraction_of_floor(result, args.output, args.title)
+    except (OSError, ValueError, KeyError) as exc:
+        sys.exit(f"convcov plot: {type(exc).__name__}: {exc}")
+    console.print(f"wrote {path}")
 
 
 def cmd_info(args):
@@ -95,7 +155,16 @@ def main(argv=None):
     b.add_argument("--repeat", type=int, default=200, help="timed calls per row, at most")
     b.add_argument("--budget", type=float, default=3.0, help="seconds per row, at most")
     b.add_argument("--json", help="also write the results to this JSON file")
+    b.add_argument("--plot", metavar="PATH",
+                   help="also draw fraction of floor per backend and workload (.png, .svg, "
+                        ".pdf; needs matplotlib)")
     b.set_defaults(func=cmd_bench)
+    p = sub.add_parser("plot", help="draw fraction of floor from saved bench --json files")
+    p.add_argument("json", nargs="+", help="JSON files written by convcov bench --json")
+    p.add_argument("-o", "--output", required=True, metavar="PATH",
+                   help="picture to write (.png, .svg, .pdf)")
+    p.add_argument("--title", help="figure title")
+    p.set_defaults(func=cmd_plot)
     i = sub.add_parser("info", help="backends, devices, versions")
     i.set_defaults(func=cmd_info)
     args = parser.parse_args(argv)

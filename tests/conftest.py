@@ -8,7 +8,7 @@ exercises it. With a device, the real GPU backends run.
 import ctypes
 import os
 
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 
 
 def _cuda_device_count() -> int:
@@ -32,4 +32,7 @@ _common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow,
 settings.register_profile("ci", max_examples=200, **_common)
 settings.register_profile("gpu", max_examples=1000, **_common)
 settings.register_profile("quick", max_examples=25, **_common)
+# for a short device lease: no shrinking (each new dtype mix compiles a GPU kernel)
+settings.register_profile("gpu-quick", max_examples=60, print_blob=True,
+                          phases=[Phase.explicit, Phase.reuse, Phase.generate], **_common)
 settings.load_profile(os.environ.get("CONVCOV_HYPOTHESIS_PROFILE", "ci"))

@@ -106,11 +106,12 @@ def make(a: np.ndarray, kind: str, dtype: str, layout: str = "contiguous", rng=N
 
 
 def to_f64(x) -> np.ndarray:
+    """A float64 numpy *copy* (never a view: tests compare before and after)."""
     if isinstance(x, np.ndarray):
-        return x.astype(np.float64)
+        return x.astype(np.float64)  # astype copies
     mod = type(x).__module__.split(".")[0]
     if mod == "torch":
-        return x.detach().cpu().double().numpy()
+        return np.array(x.detach().cpu().double().numpy(), copy=True)
     if mod == "cupy":
         import cupy
 

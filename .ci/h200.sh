@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The H200 run (device tool; carry ".whl"): GPU-enabled test suite, then `convcov bench`
+# on the CUDA workloads. Everything it prints is also written under $OUT.
+#   bash .ci/h200.sh [extra pytest arguments, e.g. -k "cupy or numba_cuda"]
+# numpy 2.4.x is carried as a wheel: numba-cuda 0.30.4 fails with the image's numpy 2.5
+# (../shared/GPU.md).
+set -uo pipefail
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+nvidia-smi --query-gpu=index,name,driver_version,memory.total,clocks.sm --format=csv
+python3 -c "import numpy, torch, cupy, numba, numba_cuda; print('numpy', numpy.__version__, 'torch', torch.__version__, 'cupy', cupy.__version__, 'numba', numba.__version__, 'numba-cuda', numba_cuda.__version__)"
+python3 -m convcov.cli info
+CONVCOV_HYPOTHESIS_PROFILE=${PROFILE:-gpu} timeout ${TEST_TIMEOUT:-300} \
+    python3 -m pytest -q -p no:cacheprovider -x -rs "$@" 2>&1 | tee "$OUT/pytest.log"
+[ -n "${SKIP_BENCH:-}" ] || timeout ${BENCH_TIMEOUT:-400} python3 -m convcov.cli bench \
+    --device cuda --json "$OUT/bench-h200.json" 2>&1 | tee "$OUT/bench.log"

@@ -1,0 +1,969 @@
+"""``cupy``: CUDA C++ kernels compiled by CuPy (NVRTC); the automatic first choice for CUDA arrays.
+
+Owns the CUDA C++ source below (``SOURCE``), its compilation into ``cupy.RawModule`` objects
+(templated on the storage and accumulation types: one module per type family, compiled
+once per process, cached on disk by CuPy), the choice of kernels and launch sizes for one
+call, and the launch itself on the arrays' device and on their library's current stream:
+torch's for torch tensors, CuPy's for CuPy arrays, the legacy default stream for other
+``__cuda_array_interface__`` objects (numba device arrays).
+
+Design (docs/cupy.md has the byte counts and the measurements). The operation is
+memory-bound, so the kernels are built around the bytes SPEC section 5 counts:
+
+* ``cc_gsum`` reads the channel-diagonal of ``gamma`` exactly once, streaming, 16 bytes a
+  load where the layout allows, and writes the per-group channel sum of
+  ``gamma + mu (x) mu``: ``T[b, g, x0, y0, x1, y1]`` (the Gram matrix of ``mu`` rides
+  along in the same pass).
+* ``cc_sbox`` forms ``S[b, g, i0, j0, i1, j1]``, the kh x kw box filter of ``T`` along the
+  diagonal offsets (T is Ci/G times smaller than gamma: its reads mostly hit L2).
+* ``cc_stream`` streams ``out[b, c0, i0, j0, (c0,) i1, j1] += c[c0] * S[b, g(c0)]`` in
+  address order, 16 bytes a load, re-reading ``S[b, g]`` from L2 for every ``c0``; a
+  contiguous diagonal-layout ``out`` is one flat axpy per ``(b, c0)``.
+* ``cc_direct`` does it all in one launch, the channel sum inside the box filter: for
+  problems so small that launches cost more than the arithmetic (the seed's toy), and for
+  large strides, where ``T`` would cover many positions that no output reads.
+
+Scratch: S and T, one buffer of ``B*G*((Ho*Wo)**2 + (H*W)**2)`` accumulation-type
+elements, allocated stream-ordered from the arrays' library (so nothing grows with Ci*Ci
+or Co). Terms with a position in the padding are skipped (SPEC section 1), so NaN/Inf in
+``mu`` never meets a padded zero. Index arithmetic is 64-bit wherever an offset can pass
+2**31; the arithmetic uses explicit IEEE (non flush-to-zero) instructions because CuPy
+compiles with ``-ftz=true``; results are rounded once into ``out``'s dtype (float64 sums
+reach float16/bfloat16 through round-to-odd float32, a single correct rounding).
+
+Kernels take one ``Args`` struct by value; a call packs it into a copy of a per-plan
+template and calls ``cuLaunchKernel`` through CuPy's driver binding, which keeps the
+Python path short. No shared memory is used: every tile's reuse is served by L1/L2.
+
+Must not: copy ``out`` or ``gamma``; synchronise the device; import cupy before the
+backend is used (``import convcov`` stays GPU-free).
+"""
+
+from __future__ import annotations
+
+import array
+import struct
+import sys
+import threading
+
+from .._registry import Backend
+
+#: Dtype names -> (code used by the kernels' run-time typed loads, C++ storage type, bytes).
+_DTYPES = {
+    "float16": (0, "f16", 2),
+    "bfloat16": (1, "bf16", 2),
+    "float32": (2, "float", 4),
+    "float64": (3, "double", 8),
+}
+_ACC_CXX = {"float32": "float", "float64": "double"}
+
+#: Fields of the kernels' ``Args`` struct, all 8 bytes wide, in order. The CUDA struct is
+#: generated from this list, so the Python packing and the C++ layout cannot drift apart.
+_FIELDS = (
+    "out", "gamma", "mu", "c", "t", "s",     # device addresses (gamma, c: 0 when absent)
+    "B", "G", "Cg", "Cog", "H", "W", "Ho", "Wo",
+    "kh", "kw", "sh", "sw", "ph", "pw", "dh", "dw",
+    "so0", "so1", "so2", "so3", "so4", "so5",  # out (b, c0, i0, j0, i1, j1), diagonal folded
+    "sg0", "sg1", "sg2", "sg3", "sg4", "sg5",  # gamma (b, ci, x0, y0, x1, y1), diagonal folded
+    "sm0", "sm1", "sm2", "sm3",                # mu (b, ci, x, y)
+    "sc",                                      # c (0 for a 0-d c)
+    "dt_out", "dt_gamma", "dt_mu", "dt_c",     # dtype codes (_DTYPES) for run-time typed loads
+    "nchunk", "chunk",                         # output channels of a group split in chunks
+    "nseg", "seg_len", "tiles",                # cc_stream: out[b, c0] as contiguous segments
+    "n",                                       # work items of this launch
+    "c_value",                                 # double: c when c is a Python number
+)
+_SLOT = {name: i for i, name in enumerate(_FIELDS)}
+_ARGS_STRUCT = "struct Args {\n" + "".join(
+    f"  {'double' if f == 'c_value' else 'i64'} {f};\n" for f in _FIELDS) + "};\n"
+
+SOURCE = r"""
+// convcov: CUDA C++ kernels of the ``cupy`` backend (see convcov/backends/cupy.py).
+// Index names follow SPEC.md: b batch, g group, c0 output channel, ci input channel,
+// (i0, j0), (i1, j1) output positions, (x0, y0), (x1, y1) input positions, (ii, ji) the
+// kernel offset. q is a flattened (i1, j1) or (x1, y1) position, p0 a flattened (i0, j0).
+// Branches for a compiler without __CUDA_ARCH__ serve a host build of this source (the
+// test suite compiles it as C++ with the host_* helpers, to check the index arithmetic
+// of every kernel on machines without a GPU); NVRTC never sees them.
+typedef long long i64;
+typedef unsigned long long u64;
+struct f16 { unsigned short b; };   // storage only: arithmetic happens in Acc
+struct bf16 { unsigned short b; };
+enum { DT_F16 = 0, DT_BF16 = 1, DT_F32 = 2, DT_F64 = 3 };
+""" + _ARGS_STRUCT + r"""
+#define THREADS 256
+#define UNROLL 4          // loads in flight per thread in the streaming loops
+#define UNROLL_DIRECT 8   // ... in cc_direct, whose problems are small: latency-bound
+
+// ---------------------------------------------------------------- bits and conversions
+__device__ __forceinline__ float u2f(unsigned u) { union { unsigned u; float f; } x; x.u = u; return x.f; }
+__device__ __forceinline__ unsigned f2u(float f) { union { unsigned u; float f; } x; x.f = f; return x.u; }
+
+// The f32 <-> f64 conversions are written out because CuPy compiles with -ftz=true,
+// which would flush float32 subnormals to zero in plain C++ casts.
+__device__ __forceinline__ double f2d(float f) {
+#ifdef __CUDA_ARCH__
+  double d; asm("cvt.f64.f32 %0, %1;" : "=d"(d) : "f"(f)); return d;
+#else
+  return (double)f;
+#endif
+}
+__device__ __forceinline__ float d2f_rn(double d) {
+#ifdef __CUDA_ARCH__
+  float f; asm("cvt.rn.f32.f64 %0, %1;" : "=f"(f) : "d"(d)); return f;
+#else
+  return (float)d;
+#endif
+}
+// Round to odd: float64 -> float32 -> float16/bfloat16 is then one correct rounding.
+__device__ __forceinline__ float d2f_odd(double d) {
+#ifdef __CUDA_ARCH__
+  float f; asm("cvt.rz.f32.f64 %0, %1;" : "=f"(f) : "d"(d));
+#else
+  float f = host_d2f_rz(d);
+#endif
+  if (f2d(f) != d && f == f) f = u2f(f2u(f) | 1u);
+  return f;
+}
+__device__ __forceinline__ float h2f(unsigned short h) {
+#ifdef __CUDA_ARCH__
+  float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f;
+#else
+  return host_h2f(h);
+#endif
+}
+__device__ __forceinline__ unsigned short f2h(float f) {
+#ifdef __CUDA_ARCH__
+  unsigned short h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h;
+#else
+  return host_f2h(f);
+#endif
+}
+__device__ __forceinline__ float bf2f(unsigned short h) { return u2f((unsigned)h << 16); }
+__device__ __forceinline__ unsigned short f2bf(float f) {  // round to nearest even
+  unsigned x = f2u(f);
+  if ((x & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((x >> 16) | 0x40u);  // quiet NaN
+  x += 0x7fffu + ((x >> 16) & 1u);
+  return (unsigned short)(x >> 16);
+}
+
+// IEEE arithmetic in the accumulation type (no flush to zero, one rounding per FMA).
+__device__ __forceinline__ float afma(float a, float b, float c) {
+#ifdef __CUDA_ARCH__
+  float r; asm("fma.rn.f32 %0, %1, %2, %3;" : "=f"(r) : "f"(a), "f"(b), "f"(c)); return r;
+#else
+  return host_fmaf(a, b, c);
+#endif
+}
+__device__ __forceinline__ double afma(double a, double b, double c) {
+#ifdef __CUDA_ARCH__
+  double r; asm("fma.rn.f64 %0, %1, %2, %3;" : "=d"(r) : "d"(a), "d"(b), "d"(c)); return r;
+#else
+  return host_fma(a, b, c);
+#endif
+}
+__device__ __forceinline__ float aadd(float a, float b) {
+#ifdef __CUDA_ARCH__
+  float r; asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r;
+#else
+  return a + b;
+#endif
+}
+__device__ __forceinline__ double aadd(double a, double b) {
+#ifdef __CUDA_ARCH__
+  double r; asm("add.rn.f64 %0, %1, %2;" : "=d"(r) : "d"(a), "d"(b)); return r;
+#else
+  return a + b;
+#endif
+}
+
+// Storage -> Acc and Acc -> storage (one rounding).
+template <typename Acc> struct Cv;
+template <> struct Cv<float> {
+  static __device__ __forceinline__ float from(f16 x) { return h2f(x.b); }
+  static __device__ __forceinline__ float from(bf16 x) { return bf2f(x.b); }
+  static __device__ __forceinline__ float from(float x) { return x; }
+  static __device__ __forceinline__ float from(double x) { return d2f_rn(x); }  // unused: f64 => Acc f64
+  static __device__ __forceinline__ void to(f16& o, float a) { o.b = f2h(a); }
+  static __device__ __forceinline__ void to(bf16& o, float a) { o.b = f2bf(a); }
+  static __device__ __forceinline__ void to(float& o, float a) { o = a; }
+  static __device__ __forceinline__ void to(double& o, float a) { o = f2d(a); }
+};
+template <> struct Cv<double> {
+  static __device__ __forceinline__ double from(f16 x) { return f2d(h2f(x.b)); }
+  static __device__ __forceinline__ double from(bf16 x) { return f2d(bf2f(x.b)); }
+  static __device__ __forceinline__ double from(float x) { return f2d(x); }
+  static __device__ __forceinline__ double from(double x) { return x; }
+  static __device__ __forceinline__ void to(f16& o, double a) { o.b = f2h(d2f_odd(a)); }
+  static __device__ __forceinline__ void to(bf16& o, double a) { o.b = f2bf(d2f_odd(a)); }
+  static __device__ __forceinline__ void to(float& o, double a) { o = d2f_rn(a); }
+  static __device__ __forceinline__ void to(double& o, double a) { o = a; }
+};
+
+// ---------------------------------------------------------------- loads and stores
+// HINT 0: read-only path (data reused from L1/L2: mu, T, c). HINT 1: streaming, evict
+// first (gamma and out are touched once; keeping them out of L2 leaves room for T).
+template <int BYTES> struct Chunk;
+template <> struct Chunk<2> { typedef unsigned short type; };
+template <> struct Chunk<4> { typedef unsigned int type; };
+template <> struct Chunk<8> { typedef uint2 type; };
+template <> struct Chunk<16> { typedef uint4 type; };
+
+template <int HINT, typename C> __device__ __forceinline__ C ldh(const C* p) {
+#ifdef __CUDA_ARCH__
+  return HINT ? __ldcs(p) : __ldg(p);
+#else
+  return *p;
+#endif
+}
+template <int HINT, typename C> __device__ __forceinline__ void sth(C* p, C v) {
+#ifdef __CUDA_ARCH__
+  if (HINT) __stcs(p, v); else *p = v;
+#else
+  *p = v;
+#endif
+}
+
+// V consecutive elements of T, in chunks of at most 16 bytes; the caller guarantees that
+// p is aligned to min(16, V * sizeof(T)) bytes.
+template <typename T, int V, int HINT>
+__device__ __forceinline__ void ldv(const T* p, T (&r)[V]) {
+  enum { NB = V * (int)sizeof(T), CB = NB > 16 ? 16 : NB };
+  typedef typename Chunk<CB>::type C;
+  union { C c[NB / CB]; T t[V]; } u;
+  const C* s = reinterpret_cast<const C*>(p);
+#pragma unroll
+  for (int i = 0; i < NB / CB; ++i) u.c[i] = ldh<HINT>(s + i);
+#pragma unroll
+  for (int e = 0; e < V; ++e) r[e] = u.t[e];
+}
+template <typename T, int V, int HINT>
+__device__ __forceinline__ void stv(T* p, const T (&r)[V]) {
+  enum { NB = V * (int)sizeof(T), CB = NB > 16 ? 16 : NB };
+  typedef typename Chunk<CB>::type C;
+  union { C c[NB / CB]; T t[V]; } u;
+#pragma unroll
+  for (int e = 0; e < V; ++e) u.t[e] = r[e];
+  C* d = reinterpret_cast<C*>(p);
+#pragma unroll
+  for (int i = 0; i < NB / CB; ++i) sth<HINT>(d + i, u.c[i]);
+}
+
+// Run-time typed access, for the small arrays (mu, c) and the generic kernel: the dtype
+// code is uniform across the grid, so the switch costs a few instructions, not divergence.
+template <typename Acc, int HINT>
+__device__ __forceinline__ Acc ld_any(const void* base, i64 off, int dt) {
+  switch (dt) {
+    case DT_F16: { f16 x; x.b = ldh<HINT>((const unsigned short*)base + off); return Cv<Acc>::from(x); }
+    case DT_BF16: { bf16 x; x.b = ldh<HINT>((const unsigned short*)base + off); return Cv<Acc>::from(x); }
+    case DT_F32: return Cv<Acc>::from(ldh<HINT>((const float*)base + off));
+    default: return Cv<Acc>::from(ldh<HINT>((const double*)base + off));
+  }
+}
+template <typename Acc, typename T, int V>
+__device__ __forceinline__ void ldv_as(const void* base, i64 off, Acc (&r)[V]) {
+  T t[V];
+  ldv<T, V, 0>((const T*)base + off, t);
+#pragma unroll
+  for (int e = 0; e < V; ++e) r[e] = Cv<Acc>::from(t[e]);
+}
+template <typename Acc, int V>
+__device__ __forceinline__ void ldv_any(const void* base, i64 off, int dt, Acc (&r)[V]) {
+  switch (dt) {
+    case DT_F16: ldv_as<Acc, f16, V>(base, off, r); break;
+    case DT_BF16: ldv_as<Acc, bf16, V>(base, off, r); break;
+    case DT_F32: ldv_as<Acc, float, V>(base, off, r); break;
+    default: ldv_as<Acc, double, V>(base, off, r); break;
+  }
+}
+template <typename Acc>
+__device__ __forceinline__ void st_any(void* base, i64 off, int dt, Acc v) {
+  switch (dt) {
+    case DT_F16: { f16 x; Cv<Acc>::to(x, v); sth<1>((unsigned short*)base + off, x.b); break; }
+    case DT_BF16: { bf16 x; Cv<Acc>::to(x, v); sth<1>((unsigned short*)base + off, x.b); break; }
+    case DT_F32: { float x; Cv<Acc>::to(x, v); sth<1>((float*)base + off, x); break; }
+    default: { double x; Cv<Acc>::to(x, v); sth<1>((double*)base + off, x); break; }
+  }
+}
+
+// Element access through a storage type T known at compile time (the usual case: the
+// arrays share a dtype) or run-time typed (T = anyt, for mixed dtypes; the code is a
+// kernel argument). one/vec load into Acc, put rounds once and stores.
+struct anyt {};
+template <typename Acc, typename T> struct Ld {
+  static __device__ __forceinline__ Acc one(const void* base, i64 off, int) {
+    T t[1];
+    ldv<T, 1, 0>((const T*)base + off, t);
+    return Cv<Acc>::from(t[0]);
+  }
+  static __device__ __forceinline__ Acc one_stream(const void* base, i64 off, int) {
+    T t[1];
+    ldv<T, 1, 1>((const T*)base + off, t);
+    return Cv<Acc>::from(t[0]);
+  }
+  template <int V>
+  static __device__ __forceinline__ void vec(const void* base, i64 off, int, Acc (&r)[V]) {
+    ldv_as<Acc, T, V>(base, off, r);
+  }
+  static __device__ __forceinline__ void put(void* base, i64 off, int, Acc v) {
+    T t[1];
+    Cv<Acc>::to(t[0], v);
+    stv<T, 1, 1>((T*)base + off, t);
+  }
+};
+template <typename Acc> struct Ld<Acc, anyt> {
+  static __device__ __forceinline__ Acc one(const void* base, i64 off, int dt) {
+    return ld_any<Acc, 0>(base, off, dt);
+  }
+  static __device__ __forceinline__ Acc one_stream(const void* base, i64 off, int dt) {
+    return ld_any<Acc, 1>(base, off, dt);
+  }
+  template <int V>
+  static __device__ __forceinline__ void vec(const void* base, i64 off, int dt, Acc (&r)[V]) {
+    ldv_any<Acc, V>(base, off, dt, r);
+  }
+  static __device__ __forceinline__ void put(void* base, i64 off, int dt, Acc v) {
+    st_any<Acc>(base, off, dt, v);
+  }
+};
+
+// 64-bit quotient and remainder, through 32-bit division when both operands fit (the
+// usual case: a 64-bit division is a long software sequence on the GPU).
+__device__ __forceinline__ void divmod(i64 a, i64 b, i64& q, i64& r) {
+  if ((((u64)a) | ((u64)b)) < 0x100000000ull) {
+    unsigned qq = (unsigned)a / (unsigned)b;
+    q = (i64)qq;
+  } else {
+    q = a / b;
+  }
+  r = a - q * b;
+}
+
+__device__ __forceinline__ i64 lmin(i64 x, i64 y) { return x < y ? x : y; }
+__device__ __forceinline__ i64 thread_index() { return (i64)blockIdx.x * blockDim.x + threadIdx.x; }
+__device__ __forceinline__ i64 grid_stride() { return (i64)gridDim.x * blockDim.x; }
+
+template <typename Acc>
+__device__ __forceinline__ Acc c_of(const Args& a, i64 c0) {
+  return a.c ? ld_any<Acc, 0>((const void*)a.c, c0 * a.sc, (int)a.dt_c) : Cv<Acc>::from(a.c_value);
+}
+
+// ---------------------------------------------------------------- kernel 1: T
+// T[b, g, x0, y0, q] = sum over ci of group g of gamma[b, ci, x0, y0, (ci,) q] + mu[b, ci, x0, y0] * mu[b, ci, q]
+// for V consecutive q per thread. V > 1 only when q is contiguous in gamma and mu and
+// every row is aligned to the vector (checked on the host); V == 1 takes any strides.
+// Tg is gamma's storage type (gamma absent: a.gamma == 0), Tm mu's (or anyt).
+// Positions (< H*W < 2**31) are 32-bit; offsets into arrays are 64-bit.
+template <typename Tg, typename Tm, typename Acc, int V>
+__global__ void __launch_bounds__(THREADS) cc_gsum(const Args a) {
+  const int W = (int)a.W, HW = (int)(a.H * a.W), nqv = HW / V;
+  const Tg* gamma = (const Tg*)a.gamma;
+  const void* mu = (const void*)a.mu;
+  Acc* T = (Acc*)a.t;
+  const int dt_mu = (int)a.dt_mu;
+  for (i64 idx = thread_index(); idx < a.n; idx += grid_stride()) {
+    i64 row, qv64, bg, p64, b, g;
+    divmod(idx, nqv, row, qv64);  // row = (b, g, x0, y0)
+    divmod(row, HW, bg, p64);
+    divmod(bg, a.G, b, g);
+    const int p = (int)p64, x0 = p / W, y0 = p - x0 * W, q = (int)qv64 * V;
+    const i64 ci0 = g * a.Cg;
+    i64 og = b * a.sg0 + ci0 * a.sg1 + x0 * a.sg2 + y0 * a.sg3;
+    i64 om_row = b * a.sm0 + ci0 * a.sm1 + x0 * a.sm2 + y0 * a.sm3;
+    i64 om_col = b * a.sm0 + ci0 * a.sm1;
+    if (V > 1) {
+      og += q; om_col += q;
+    } else {
+      const int x1 = q / W, y1 = q - x1 * W;
+      og += x1 * a.sg4 + y1 * a.sg5;
+      om_col += x1 * a.sm2 + y1 * a.sm3;
+    }
+    Acc acc[V];
+#pragma unroll
+    for (int e = 0; e < V; ++e) acc[e] = (Acc)0;
+    i64 ci = 0;
+    // UNROLL channels at once: their gamma loads are all in flight before the first use.
+    for (; ci + UNROLL <= a.Cg; ci += UNROLL) {
+      Tg gv[UNROLL][V];
+      if (gamma) {
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) ldv<Tg, V, 1>(gamma + og + u * a.sg1, gv[u]);
+      }
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) {
+        Acc mc[V];
+        const Acc mr = Ld<Acc, Tm>::one(mu, om_row + u * a.sm1, dt_mu);
+        Ld<Acc, Tm>::template vec<V>(mu, om_col + u * a.sm1, dt_mu, mc);
+#pragma unroll
+        for (int e = 0; e < V; ++e) {
+          Acc s = gamma ? aadd(acc[e], Cv<Acc>::from(gv[u][e])) : acc[e];
+          acc[e] = afma(mr, mc[e], s);
+        }
+      }
+      og += UNROLL * a.sg1; om_row += UNROLL * a.sm1; om_col += UNROLL * a.sm1;
+    }
+    for (; ci < a.Cg; ++ci) {
+      Tg gv[V];
+      if (gamma) ldv<Tg, V, 1>(gamma + og, gv);
+      Acc mc[V];
+      const Acc mr = Ld<Acc, Tm>::one(mu, om_row, dt_mu);
+      Ld<Acc, Tm>::template vec<V>(mu, om_col, dt_mu, mc);
+#pragma unroll
+      for (int e = 0; e < V; ++e) {
+        Acc s = gamma ? aadd(acc[e], Cv<Acc>::from(gv[e])) : acc[e];
+        acc[e] = afma(mr, mc[e], s);
+      }
+      og += a.sg1; om_row += a.sm1; om_col += a.sm1;
+    }
+    stv<Acc, V, 0>(T + row * HW + q, acc);
+  }
+}
+
+// ---------------------------------------------------------------- kernel 2: S
+// S[b, g, p0, q] = the kh x kw box filter of T along the diagonal offsets. A block takes
+// THREADS * QT positions q of one row (b, g, p0) (coalesced reads of T and writes of S).
+// T is contiguous, so the term of kernel offset (ii, ji) sits at a fixed distance
+// ii * DI + ji * DJ from the term of (0, 0) whatever the stride: positions whose every
+// term is inside the input (the interior) skip the bounds checks; the others check each
+// term (the terms in the padding are skipped: SPEC section 1). The reads hit L2, so the
+// kernel is latency-bound: each thread keeps QT * UNROLL_BOX loads in flight.
+#define UNROLL_BOX 16
+template <typename Acc>
+__global__ void __launch_bounds__(THREADS) cc_sbox(const Args a) {
+  enum { QT = 2 };
+  const int H = (int)a.H, W = (int)a.W, Wo = (int)a.Wo, HoWo = (int)(a.Ho * a.Wo);
+  const int kh = (int)a.kh, kw = (int)a.kw, sh = (int)a.sh, sw = (int)a.sw;
+  const int ph = (int)a.ph, pw = (int)a.pw, dh = (int)a.dh, dw = (int)a.dw;
+  const int noff = kh * kw, span_h = (kh - 1) * dh, span_w = (kw - 1) * dw;
+  const i64 HW = a.H * a.W, DI = (i64)dh * (W * HW + W), DJ = (i64)dw * (HW + 1);
+  const int qtiles = (HoWo + THREADS * QT - 1) / (THREADS * QT);
+  const Acc* T = (const Acc*)a.t;
+  Acc* S = (Acc*)a.s;
+  for (i64 tile = blockIdx.x; tile < a.n; tile += gridDim.x) {
+    i64 row, qt, bg, p0;
+    divmod(tile, qtiles, row, qt);
+    divmod(row, HoWo, bg, p0);
+    const int i0 = (int)p0 / Wo, j0 = (int)p0 - i0 * Wo;
+    const int x0b = i0 * sh - ph, y0b = j0 * sw - pw;  // input position of offset (0, 0)
+    const bool row_in = x0b >= 0 && x0b + span_h < H && y0b >= 0 && y0b + span_w < W;
+    // Tr may point outside T (padding): only the terms found inside are read.
+    const Acc* Tr = T + bg * HW * HW + (i64)(x0b * W + y0b) * HW;
+    int x1b[QT], y1b[QT];
+    bool in_all[QT], live[QT];
+    Acc s[QT];
+#pragma unroll
+    for (int k = 0; k < QT; ++k) {
+      const int q = (int)qt * (THREADS * QT) + k * THREADS + threadIdx.x;
+      live[k] = q < HoWo;
+      const int i1 = q / Wo, j1 = q - i1 * Wo;
+      x1b[k] = i1 * sh - ph; y1b[k] = j1 * sw - pw;
+      in_all[k] = row_in && x1b[k] >= 0 && x1b[k] + span_h < H && y1b[k] >= 0 && y1b[k] + span_w < W;
+      s[k] = (Acc)0;
+    }
+    int ii = 0, ji = 0;
+    i64 off = 0;
+    for (int t = 0; t < noff; t += UNROLL_BOX) {
+      Acc tv[QT][UNROLL_BOX];
+#pragma unroll
+      for (int u = 0; u < UNROLL_BOX; ++u) {
+#pragma unroll
+        for (int k = 0; k < QT; ++k) {
+          bool in = live[k] && t + u < noff;
+          if (!in_all[k]) {
+            const int x0 = x0b + ii * dh, x1 = x1b[k] + ii * dh;
+            const int y0 = y0b + ji * dw, y1 = y1b[k] + ji * dw;
+            in = in && (unsigned)x0 < (unsigned)H && (unsigned)x1 < (unsigned)H
+                 && (unsigned)y0 < (unsigned)W && (unsigned)y1 < (unsigned)W;
+          }
+          tv[k][u] = in ? ldh<0>(Tr + (x1b[k] * W + y1b[k]) + off) : (Acc)0;
+        }
+        off += DJ;
+        if (++ji == kw) { ji = 0; ++ii; off += DI - kw * DJ; }
+      }
+#pragma unroll
+      for (int k = 0; k < QT; ++k)
+#pragma unroll
+        for (int u = 0; u < UNROLL_BOX; ++u) s[k] = aadd(s[k], tv[k][u]);
+    }
+    Acc* Srow = S + row * HoWo + qt * (THREADS * QT) + threadIdx.x;
+#pragma unroll
+    for (int k = 0; k < QT; ++k)
+      if (live[k]) Srow[k * THREADS] = s[k];
+  }
+}
+
+// ---------------------------------------------------------------- kernel 3: out += c * S
+// A streaming kernel. out[b, c0] is nseg segments of seg_len elements that are
+// contiguous in out and in S[b, g]: one segment (the whole (i0, j0, i1, j1) plane, for
+// a contiguous diagonal-layout out) or one per (i0, j0). A block takes a tile of
+// THREADS * SU vectors (consecutive threads: consecutive 16-byte vectors) for a chunk of
+// `chunk` output channels of one group: each thread loads its S vectors once, then
+// streams out for every c0 of the chunk, so S is read from L2 once per chunk rather
+// than once per c0. V == 1 (any strides): one segment per (i0, j0), (i1, j1) through
+// out's strides.
+// SU: vectors of out in flight per thread, 4 (x 16 bytes). float16 out with float32 S
+// (8-wide vectors, 32-byte S vectors) needs registers for only 2 blocks a
+// multiprocessor at 4 or at 6 (128 registers, nvcc -Xptxas -v): 6 restores the bytes in
+// flight a multiprocessor that 3 blocks of 4 have. (bfloat16's conversions need more
+// registers: 6 would leave 1 block.) The host mirrors this in _stream_su.
+template <typename To, typename Acc, int V> struct StreamSU { enum { value = 4 }; };
+template <> struct StreamSU<f16, float, 8> { enum { value = 6 }; };
+template <typename To, typename Acc, int V>
+__global__ void __launch_bounds__(THREADS) cc_stream(const Args a) {
+  enum { SU = StreamSU<To, Acc, V>::value };
+  const int Wo = (int)a.Wo;
+  const i64 HoWo = a.Ho * a.Wo, L = a.seg_len, nvec = L / V, nf = a.nseg * nvec;
+  const i64 ncb = (a.Cog + a.chunk - 1) / a.chunk;
+  const i64 ntiles = a.B * a.G * ncb * a.tiles;
+  To* out = (To*)a.out;
+  const Acc* S = (const Acc*)a.s;
+  for (i64 tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
+    i64 r1, tin, bg, cb, b, g;
+    divmod(tile, a.tiles, r1, tin);  // neighbouring blocks: neighbouring memory
+    divmod(r1, ncb, bg, cb);
+    divmod(bg, a.G, b, g);
+    const i64 c0_first = g * a.Cog + cb * a.chunk;
+    const i64 c0_end = lmin(c0_first + a.chunk, (g + 1) * a.Cog);
+    const Acc* Sb = S + bg * HoWo * HoWo;
+    i64 oo[SU];
+    bool ok[SU];
+    Acc sv[SU][V];
+#pragma unroll
+    for (int k = 0; k < SU; ++k) {
+      const i64 f = tin * (THREADS * SU) + k * THREADS + threadIdx.x;
+      ok[k] = f < nf;
+      i64 r = 0, v = f;
+      if (a.nseg > 1) divmod(f, nvec, r, v);
+      const int i0 = (int)r / Wo, j0 = (int)r - i0 * Wo;
+      i64 off = i0 * a.so2 + j0 * a.so3;
+      if (V > 1 || a.nseg == 1) {
+        off += v * V;
+      } else {
+        const int i1 = (int)v / Wo, j1 = (int)v - i1 * Wo;
+        off += i1 * a.so4 + j1 * a.so5;
+      }
+      oo[k] = off;
+      if (ok[k]) ldv<Acc, V, 0>(Sb + r * L + v * V, sv[k]);
+    }
+    const To* ob = out + b * a.so0 + c0_first * a.so1;
+    for (i64 c0 = c0_first; c0 < c0_end; ++c0, ob += a.so1) {
+      To ov[SU][V];
+#pragma unroll
+      for (int k = 0; k < SU; ++k)
+        if (ok[k]) ldv<To, V, 1>(ob + oo[k], ov[k]);
+      const Acc cc = c_of<Acc>(a, c0);
+#pragma unroll
+      for (int k = 0; k < SU; ++k) {
+        if (ok[k]) {
+#pragma unroll
+          for (int e = 0; e < V; ++e) Cv<Acc>::to(ov[k][e], afma(cc, sv[k][e], Cv<Acc>::from(ov[k][e])));
+          stv<To, V, 1>((To*)ob + oo[k], ov[k]);
+        }
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------- one-launch kernel
+// S straight from gamma and mu (the channel sum inside the box filter), then out; any
+// strides. T is the storage type of out, gamma and mu, or anyt (run-time typed, for
+// mixed dtypes). The (ii, ji, ci) terms are walked as one flat sequence, UNROLL_DIRECT at a
+// time with predicated loads: small problems are latency-bound, so the loads of several
+// terms must be in flight together.
+template <typename T, typename Acc>
+__global__ void __launch_bounds__(THREADS) cc_direct(const Args a) {
+  const int H = (int)a.H, W = (int)a.W, Wo = (int)a.Wo, HoWo = (int)(a.Ho * a.Wo);
+  const int kh = (int)a.kh, kw = (int)a.kw, sh = (int)a.sh, sw = (int)a.sw;
+  const int ph = (int)a.ph, pw = (int)a.pw, dh = (int)a.dh, dw = (int)a.dw;
+  const void* gamma = (const void*)a.gamma;
+  const void* mu = (const void*)a.mu;
+  void* out = (void*)a.out;
+  const int dt_g = (int)a.dt_gamma, dt_mu = (int)a.dt_mu, dt_out = (int)a.dt_out;
+  const i64 Cg = a.Cg, nterm = (i64)kh * kw * Cg;
+  for (i64 idx = thread_index(); idx < a.n; idx += grid_stride()) {
+    i64 r1, q, row, chunk, bg, p0, b, g;
+    divmod(idx, HoWo, r1, q);
+    divmod(r1, a.nchunk, row, chunk);
+    divmod(row, HoWo, bg, p0);
+    divmod(bg, a.G, b, g);
+    const int i0 = (int)p0 / Wo, j0 = (int)p0 - i0 * Wo;
+    const int i1 = (int)q / Wo, j1 = (int)q - i1 * Wo;
+    const i64 ci0 = g * Cg;
+    const i64 og_b = b * a.sg0 + ci0 * a.sg1, om_b = b * a.sm0 + ci0 * a.sm1;
+    Acc s = (Acc)0;
+    int ii = 0, ji = 0;
+    i64 ci = 0;
+    for (i64 t = 0; t < nterm; t += UNROLL_DIRECT) {
+      Acc gv[UNROLL_DIRECT], m0[UNROLL_DIRECT], m1[UNROLL_DIRECT];
+#pragma unroll
+      for (int u = 0; u < UNROLL_DIRECT; ++u) {
+        const int x0 = i0 * sh + ii * dh - ph, x1 = i1 * sh + ii * dh - ph;
+        const int y0 = j0 * sw + ji * dw - pw, y1 = j1 * sw + ji * dw - pw;
+        const bool in = t + u < nterm && (unsigned)x0 < (unsigned)H && (unsigned)x1 < (unsigned)H
+                        && (unsigned)y0 < (unsigned)W && (unsigned)y1 < (unsigned)W;
+        const i64 og = og_b + ci * a.sg1 + x0 * a.sg2 + y0 * a.sg3 + x1 * a.sg4 + y1 * a.sg5;
+        const i64 om0 = om_b + ci * a.sm1 + x0 * a.sm2 + y0 * a.sm3;
+        const i64 om1 = om_b + ci * a.sm1 + x1 * a.sm2 + y1 * a.sm3;
+        gv[u] = in && gamma ? Ld<Acc, T>::one(gamma, og, dt_g) : (Acc)0;
+        m0[u] = in ? Ld<Acc, T>::one(mu, om0, dt_mu) : (Acc)0;
+        m1[u] = in ? Ld<Acc, T>::one(mu, om1, dt_mu) : (Acc)0;
+        if (++ci == Cg) { ci = 0; if (++ji == kw) { ji = 0; ++ii; } }
+      }
+#pragma unroll
+      for (int u = 0; u < UNROLL_DIRECT; ++u) s = afma(m0[u], m1[u], aadd(s, gv[u]));
+    }
+    const i64 c0_first = g * a.Cog + chunk * a.chunk;
+    const i64 c0_end = lmin(c0_first + a.chunk, (g + 1) * a.Cog);
+    const i64 oo = b * a.so0 + i0 * a.so2 + j0 * a.so3 + i1 * a.so4 + j1 * a.so5;
+    for (i64 c0 = c0_first; c0 < c0_end; ++c0) {
+      const i64 o = oo + c0 * a.so1;
+      const Acc old = Ld<Acc, T>::one_stream(out, o, dt_out);
+      Ld<Acc, T>::put(out, o, dt_out, afma(c_of<Acc>(a, c0), s, old));
+    }
+  }
+}
+"""
+
+_THREADS = 256
+_STREAM_WAVES = 4  # cc_stream: at least this many waves of blocks (tail effect)
+_DIRECT_TERMS = 1 << 22  # below this many S terms, one launch beats two (launch-bound)
+# ... and when the box filter reads few positions of T (large strides), T is mostly waste:
+# one launch when kh*kw*(Ho*Wo)**2 <= _DIRECT_RATIO * (H*W)**2.
+_DIRECT_RATIO = 2
+_OPTIONS = ("-std=c++14",)
+
+
+def _widths(itemsize):
+    """Vector widths (elements) that the fast kernels are instantiated for: up to 16 bytes."""
+    return [v for v in (1, 2, 4, 8) if v * itemsize <= 16]
+
+
+def _family_names(family):
+    """name_expressions of one RawModule: a storage type and an accumulation type."""
+    kind, cxx, acc = family
+    if kind == "generic":
+        return [f"cc_direct<anyt, {acc}>"]
+    size = {"f16": 2, "bf16": 2, "float": 4, "double": 8}[cxx]
+    return ([f"cc_gsum<{cxx}, {cxx}, {acc}, {v}>" for v in _widths(size)]
+            + [f"cc_gsum<{cxx}, anyt, {acc}, 1>"]
+            + [f"cc_stream<{cxx}, {acc}, {v}>" for v in _widths(size)]
+            + [f"cc_sbox<{acc}>", f"cc_direct<{cxx}, {acc}>"])
+
+
+class _Launch:
+    """One kernel launch of a plan: the function, grid, and Args with pointer slots empty."""
+
+    __slots__ = ("func", "grid", "args")
+
+    def __init__(self, func, grid, args):
+        self.func, self.grid, self.args = func, grid, args
+
+
+class _Plan:
+    """The launches of one call signature, and the scratch they need: ``scratch``
+    elements of the accumulation type, S first (padded to 256 bytes), T at ``t_offset``
+    bytes."""
+
+    __slots__ = ("launches", "scratch", "t_offset", "acc")
+
+    def __init__(self, launches, s_items, t_items, acc):
+        size = 8 if acc == "float64" else 4
+        s_pad = -(-s_items * size // _ALIGN) * _ALIGN // size
+        self.launches, self.acc = launches, acc
+        self.scratch, self.t_offset = s_pad + t_items, s_pad * size
+
+
+_DOUBLE = struct.Struct("<d")
+_INT64 = struct.Struct("<q")
+_ALIGN = 256  # bytes: scratch sub-buffers start on this boundary (vector loads need 16)
+
+
+def _contiguous(strides, shape):
+    """Whether axes with these strides and sizes are one contiguous run (row-major)."""
+    expect = 1
+    for st, n in zip(reversed(strides), reversed(shape)):
+        if n != 1 and st != expect:
+            return False
+        expect *= n
+    return True
+
+
+def _vector_width(itemsize, n_q, q_strides, q_shape, other_strides, ptr, extra=()):
+    """Widest V (elements) for which V consecutive q are one aligned <= 16-byte access.
+
+    ``extra``: more (itemsize, q_strides, other_strides, ptr) arrays read with the same V
+    (mu beside gamma); their vectors may exceed 16 bytes and then need 16-byte alignment.
+    """
+    if not _contiguous(q_strides, q_shape):
+        return 1
+    if any(not _contiguous(e_q, q_shape) for _, e_q, _, _ in extra):
+        return 1
+    for v in (8, 4, 2):
+        if v * itemsize > 16 or n_q % v:
+            continue
+        if ptr % (v * itemsize) or any(s % v for s in other_strides):
+            continue
+        if any(e_ptr % min(16, v * e_size) or any(s % v for s in e_other)
+               for e_size, _, e_other, e_ptr in extra):
+            continue
+        return v
+    return 1
+
+
+class CupyBackend(Backend):
+    name = "cupy"
+    device = "cuda"
+    dtypes = frozenset({"float16", "bfloat16", "float32", "float64"})
+
+    def __init__(self):
+        self._lock = threading.Lock()  # guards compilation and the caches' first fill
+        self._modules = {}  # family -> cupy.RawModule
+        self._functions = {}  # (name expression, device) -> cupy Function (keeps module loaded)
+        self._plans = {}  # call signature (no pointers) -> _Plan
+        self._device_info = {}  # device -> (multiprocessors, threads per multiprocessor)
+        self._tls = threading.local()  # devices whose context this thread has made current
+        self._torch_stream = None  # function: device -> raw handle of torch's current stream
+        self._cp = None
+
+    # ------------------------------------------------------------ availability
+    def _probe(self):
+        try:
+            import cupy
+        except Exception as exc:  # ImportError, or a broken install (missing CUDA libs)
+            return f"not installed (import cupy failed: {exc})"
+        try:
+            n = cupy.cuda.runtime.getDeviceCount()
+        except Exception as exc:  # no driver, or no device visible
+            return f"no CUDA device ({type(exc).__name__}: {exc})"
+        if n < 1:
+            return "no CUDA device"
+        self._cp = cupy
+        return None
+
+    # ------------------------------------------------------------ compilation
+    def _function(self, name, family, dev):
+        """The CUfunction handle of ``name`` on device ``dev`` (current), compiling once."""
+        f = self._functions.get((name, dev))
+        if f is None:
+            with self._lock:
+                f = self._functions.get((name, dev))
+                if f is None:
+                    mod = self._modules.get(family)
+                    if mod is None:
+                        mod = self._cp.RawModule(code=SOURCE, options=_OPTIONS,
+                                                 name_expressions=_family_names(family))
+                        self._modules[family] = mod
+                    f = mod.get_function(name).kernel  # compiles (once) and loads on dev
+                    self._functions[(name, dev)] = f
+        return f.ptr
+
+    def _sm_threads(self, dev):
+        info = self._device_info.get(dev)
+        if info is None:
+            attrs = self._cp.cuda.Device(dev).attributes
+            info = (attrs["MultiProcessorCount"], attrs["MaxThreadsPerMultiProcessor"])
+            self._device_info[dev] = info
+        return info
+
+    # ------------------------------------------------------------ planning
+    def _plan(self, p, dev):
+        oi, gi, mi, ci = p.out_info, p.gamma_info, p.mu_info, p.c_info
+        B, G, H, W, Ho, Wo = p.B, p.G, p.H, p.W, p.Ho, p.Wo
+        Cg, Cog = p.Ci // G, p.Co // G
+        HW, HoWo = H * W, Ho * Wo
+        acc = p.acc
+        acc_cxx = _ACC_CXX[acc]
+        sms, threads_per_sm = self._sm_threads(dev)
+        capacity = sms * threads_per_sm  # threads resident at once
+
+        # Strides in elements, the channel diagonal folded into one stride.
+        s = oi.strides
+        so = (s[0], s[1] + s[4], s[2], s[3], s[5], s[6]) if p.full_out else tuple(s)
+        if gi is None:
+            sg = (0,) * 6
+        else:
+            s = gi.strides
+            sg = (s[0], s[1] + s[4], s[2], s[3], s[5], s[6]) if p.full_gamma else tuple(s)
+        sm = tuple(mi.strides)
+        sc = 0 if ci is None or ci.shape == () else ci.strides[0]
+        base = dict(
+            B=B, G=G, Cg=Cg, Cog=Cog, H=H, W=W, Ho=Ho, Wo=Wo, kh=p.kh, kw=p.kw, sh=p.sh,
+            sw=p.sw, ph=p.ph, pw=p.pw, dh=p.dh, dw=p.dw, sc=sc,
+            dt_out=_DTYPES[oi.dtype][0], dt_gamma=_DTYPES[gi.dtype][0] if gi else 0,
+            dt_mu=_DTYPES[mi.dtype][0], dt_c=_DTYPES[ci.dtype][0] if ci else 0,
+            nchunk=1, chunk=Cog, nseg=1, seg_len=1, tiles=1,
+        )
+        base.update({f"so{i}": v for i, v in enumerate(so)})
+        base.update({f"sg{i}": v for i, v in enumerate(sg)})
+        base.update({f"sm{i}": v for i, v in enumerate(sm)})
+
+        def launch(name, family, n, grid=None, **kw):
+            vals = [0] * len(_FIELDS)
+            for k, v in {**base, "n": n, **kw}.items():
+                vals[_SLOT[k]] = int(v)
+            if grid is None:
+                grid = -(-n // _THREADS)
+            return _Launch(self._function(name, family, dev), min(grid, 2**31 - 1),
+                           array.array("q", vals))
+
+        def chunks(items, want):
+            # Split each group's output channels into chunks when one chunk per row
+            # would leave the device under-filled; every chunk recomputes S.
+            nchunk = max(1, min(Cog, -(-want // max(items, 1))))
+            chunk = -(-Cog // nchunk)
+            return -(-Cog // chunk), chunk
+
+        direct_terms = B * G * HoWo * HoWo * max(Cg, 1) * p.kh * p.kw
+        if direct_terms <= _DIRECT_TERMS or p.kh * p.kw * HoWo * HoWo <= _DIRECT_RATIO * HW * HW:
+            items = B * G * HoWo * HoWo
+            nchunk, chunk = chunks(items, capacity)
+            # Typed when out, gamma and mu share a dtype (the usual case); else run-time typed.
+            stored = {oi.dtype, mi.dtype} | ({gi.dtype} if gi else set())
+            if len(stored) == 1:
+                cxx = _DTYPES[oi.dtype][1]
+                name, family = f"cc_direct<{cxx}, {acc_cxx}>", ("fast", cxx, acc_cxx)
+            else:
+                name, family = f"cc_direct<anyt, {acc_cxx}>", ("generic", "", acc_cxx)
+            return _Plan([launch(name, family, items * nchunk, nchunk=nchunk, chunk=chunk)],
+                         0, 0, acc)
+
+        # Kernel 1 (T) is typed on gamma's storage (mu's without gamma); mu of another
+        # dtype than gamma's is read run-time typed, one q a thread.
+        g_dtype = gi.dtype if gi else mi.dtype
+        g_cxx, g_size = _DTYPES[g_dtype][1], _DTYPES[g_dtype][2]
+        m_size = _DTYPES[mi.dtype][2]
+        mu_vec = (m_size, (sm[2], sm[3]), (sm[0], sm[1]), mi.ptr)
+        m_cxx = g_cxx if mi.dtype == g_dtype else "anyt"
+        if m_cxx == "anyt":
+            v1 = 1
+        elif gi is None:
+            v1 = _vector_width(m_size, HW, (sm[2], sm[3]), (H, W), (sm[0], sm[1]), mi.ptr)
+        else:
+            v1 = _vector_width(g_size, HW, (sg[4], sg[5]), (H, W), sg[:4], gi.ptr, (mu_vec,))
+        launches = []
+        n1 = B * G * HW * (HW // v1)
+        if n1:
+            launches.append(launch(f"cc_gsum<{g_cxx}, {m_cxx}, {acc_cxx}, {v1}>",
+                                   ("fast", g_cxx, acc_cxx), n1))
+        o_cxx, o_size = _DTYPES[oi.dtype][1], _DTYPES[oi.dtype][2]
+        family = ("fast", o_cxx, acc_cxx)
+        # S, then out streamed in address order. A contiguous (i0, j0, i1, j1) block of
+        # out is one segment a (b, c0): a plain axpy with S[b, g], vectorised when its
+        # length and alignment allow; otherwise one segment per (i0, j0).
+        n_s = B * G * HoWo * HoWo
+        sbox_tiles = B * G * HoWo * -(-HoWo // (2 * _THREADS))  # cc_sbox's QT = 2
+        launches.append(launch(f"cc_sbox<{acc_cxx}>", family, sbox_tiles, grid=sbox_tiles))
+        if _contiguous(so[2:], (Ho, Wo, Ho, Wo)):
+            nseg, seg_len = 1, HoWo * HoWo
+            v3 = next((v for v in (8, 4, 2) if v * o_size <= 16 and seg_len % v == 0
+                       and so[0] % v == 0 and so[1] % v == 0 and oi.ptr % (v * o_size) == 0), 1)
+        else:
+            nseg, seg_len = HoWo, HoWo
+            v3 = _vector_width(o_size, HoWo, (so[4], so[5]), (Ho, Wo), so[:4], oi.ptr)
+        su = 6 if (o_cxx, acc_cxx, v3) == ("f16", "float", 8) else 4  # cc_stream's StreamSU
+        tiles = -(-nseg * (seg_len // v3) // (_THREADS * su))
+        # Output channels a tile streams (S read once for all of them): as many as keep
+        # _STREAM_WAVES waves of blocks for the device.
+        resident = sms * max(1, threads_per_sm // _THREADS)
+        chunk = max(1, min(Cog, B * p.Co * tiles // (_STREAM_WAVES * resident)))
+        chunk = -(-Cog // -(-Cog // chunk))  # equal chunks: no tail of short tiles
+        ntiles = B * G * -(-Cog // chunk) * tiles
+        launches.append(launch(f"cc_stream<{o_cxx}, {acc_cxx}, {v3}>", family, 0,
+                               grid=ntiles, nseg=nseg, seg_len=seg_len, tiles=tiles,
+                               chunk=chunk))
+        return _Plan(launches, n_s, B * G * HW * HW, acc)
+
+    # ------------------------------------------------------------ the call
+    def _stream(self, p, dev):
+        """Raw handle of the stream to launch on: the current stream of the arrays' library."""
+        if p.kind == "torch":
+            get = self._torch_stream
+            if get is None:
+                torch = sys.modules["torch"]
+                # The raw handle without building a torch.cuda.Stream object (what
+                # torch's own compiled code uses); the public API where it is missing.
+                get = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
+                    lambda d: torch.cuda.current_stream(d).cuda_stream)
+                self._torch_stream = get
+            return get(dev)
+        if p.kind == "cupy":
+            return self._cp.cuda.get_current_stream(dev).ptr
+        return 0  # other __cuda_array_interface__ producers: the legacy default stream
+
+    def _scratch(self, p, plan, dev, stream):
+        """S and T in one buffer, allocated stream-ordered on the launch stream: freed
+        right after the launches, the memory is only reused by work queued behind them."""
+        if p.kind == "torch":
+            torch = sys.modules["torch"]
+            dtype = torch.float64 if plan.acc == "float64" else torch.float32
+            buf = torch.empty(plan.scratch, dtype=dtype, device=p.out.device)
+            ptr = buf.data_ptr()
+        else:
+            cp = self._cp
+            if stream == 0 and cp.cuda.get_current_stream(dev).ptr != 0:
+                with cp.cuda.Stream.null:  # the pool orders reuse by its allocation stream
+                    buf = cp.empty(plan.scratch, dtype=plan.acc)
+            else:
+                buf = cp.empty(plan.scratch, dtype=plan.acc)
+            ptr = buf.data.ptr
+        return buf, ptr, ptr + plan.t_offset
+
+    def accumulate(self, p) -> None:
+        cp = self._cp
+        if cp is None:  # selection probed another instance (tests): probe this one
+            reason = self._probe()
+            if reason is not None:
+                raise RuntimeError(f"cupy: {reason}")
+            cp = self._cp
+        runtime = cp.cuda.runtime
+        oi, gi, mi, ci = p.out_info, p.gamma_info, p.mu_info, p.c_info
+        prev = runtime.getDevice()
+        dev = p.device[1] if p.device[1] is not None else prev
+        ready = getattr(self._tls, "ready", None)
+        if ready is None:
+            ready = self._tls.ready = set()
+        switch = dev != prev
+        if switch or dev not in ready:
+            # cudaSetDevice also makes the device's primary context current on this
+            # thread, which the driver-level launch below needs (fresh threads have none).
+            runtime.setDevice(dev)
+            ready.add(dev)
+        try:
+            # The plan depends on everything but the addresses (and their alignment).
+            key = (dev, p.acc, p.kh, p.kw, p.sh, p.sw, p.ph, p.pw, p.dh, p.dw, p.G,
+                   oi.dtype, oi.shape, oi.strides, oi.ptr & 15,
+                   None if gi is None else (gi.dtype, gi.shape, gi.strides, gi.ptr & 15),
+                   mi.dtype, mi.shape, mi.strides, mi.ptr & 15,
+                   None if ci is None else (ci.dtype, ci.shape, ci.strides))
+            plan = self._plans.get(key)
+            if plan is None:
+                plan = self._plan(p, dev)
+                if len(self._plans) > 512:  # many shapes: start over rather than grow
+                    self._plans.clear()
+                self._plans[key] = plan
+            stream = self._stream(p, dev)
+            buf, s_ptr, t_ptr = self._scratch(p, plan, dev, stream) if plan.scratch else (
+                None, 0, 0)
+            c_bits = _INT64.unpack(_DOUBLE.pack(p.c_value))[0] if ci is None else 0
+            launch_kernel = cp.cuda.driver.launchKernel
+            for ln in plan.launches:
+                args = ln.args[:]  # a copy of the Args template; the addresses go in here
+                args[0] = oi.ptr
+                if gi is not None:
+                    args[1] = gi.ptr
+                args[2] = mi.ptr
+                if ci is not None:
+                    args[3] = ci.ptr
+                args[4] = t_ptr
+                args[5] = s_ptr
+                args[-1] = c_bits
+                params = array.array("Q", (args.buffer_info()[0],))  # void*[1] -> Args
+                launch_kernel(ln.func, ln.grid, 1, 1, _THREADS, 1, 1, 0, stream,
+                              params.buffer_info()[0], 0)
+            del buf  # back to its stream-ordered pool: reuse is ordered after our kernels
+        finally:
+            if switch:
+                runtime.setDevice(prev)
+
+
+backend = CupyBackend()

@@ -1,0 +1,754 @@
+"""``numba``: the fused, parallel CPU kernel; the default backend for host arrays.
+
+Owns the Numba CPU implementation of SPEC section 1 and its run-time rules: how arrays
+reach the kernel, which code is compiled, and how calls run on Numba's threading layer.
+
+How it computes (docs/numba.md has the design notes and the measurements):
+
+* One chunk of ``(b, g)`` pairs at a time, in two parallel phases. Phase 1 builds, per
+  pair, the group's input second moment on the channel diagonal,
+  ``M[x0, y0, x1, y1] = sum over ci in g of gamma[b, ci, x0, y0, (ci,) x1, y1]
+  + mu[b, ci, x0, y0] * mu[b, ci, x1, y1]``: each gamma element is read once, in its
+  contiguous ``(x1, y1)`` plane, four channels per pass, and summed into a cache-sized
+  buffer (the "gamma channel sum" temporary). Phase 2 is the kh x kw box filter: one S row
+  ``S[b, g, i0, j0, :, :]`` at a time, in a thread-local buffer, is the sum of ``M[x0, y0]``
+  windows over the kernel offsets whose two positions both lie inside the input (padding
+  is skipped, never multiplied: an Inf next to the padding stays an Inf). The row is added,
+  times ``c[c0]``, into every output channel of the group. S never exists in memory.
+* Parallel over ``(pair, x0)`` in phase 1 and ``(pair, i0)`` in phase 2: both cores are
+  busy even for B = 1, G = 1. The channel-diagonal planes of gamma and rows of out are
+  short and far apart, so the kernel prefetches a few kilobytes ahead in software.
+* Arrays reach the kernel as raw addresses plus strides in elements (the front end's
+  ``ArrayInfo``) and a dtype code, so the compiled code depends on no layout, stride,
+  shape or input dtype: full and diagonal layouts are just strides (the channel diagonal
+  of a full array has stride ``s_c + s_c'``), negative strides are plain pointer
+  arithmetic, and the dtype code picks an inner loop at run time. The one specialisation
+  is the accumulation dtype (float32 or float64): two compiles, cached on disk.
+* float16 is converted by the CPU (F16C / Arm fcvt; an exact integer version elsewhere),
+  bfloat16 by integer arithmetic (Numba has no 16-bit float arithmetic on the CPU). Sums
+  run in float32 (float64 when an input is float64) and are rounded once into ``out``,
+  to nearest even. From float64, the value is first rounded to float32 *to odd*, which
+  makes the two steps equal to one correct rounding.
+
+Threads: the kernel releases the GIL. It relies on a thread-safe Numba threading layer
+(``tbb`` or ``omp``, Numba's default order); if Numba ends up on ``workqueue``, which
+aborts on concurrent use, this module serialises its calls. GNU OpenMP kills a forked
+child that starts a parallel region after its parent used one, so such a child runs a
+serial compile of the same kernel.
+
+Must not: validate (the front end did), copy ``out`` or ``gamma``, allocate anything that
+grows with ``Ci * Ci`` or ``Co``, or change Numba's process-wide configuration.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import threading
+from types import FunctionType
+
+import numba
+import numpy as np
+from llvmlite import binding as llvm_binding
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
+
+from .._registry import Backend
+
+# ---------------------------------------------------------------------------------------
+# Raw memory access. The front end hands over checked addresses and element strides;
+# reading through typed pointers lets one compiled kernel serve every layout and dtype.
+
+F16, BF16, F32, F64, ABSENT = 0, 1, 2, 3, -1
+_CODE = {"float16": F16, "bfloat16": BF16, "float32": F32, "float64": F64}
+
+
+def _pointer_to(nbtype):
+    @intrinsic
+    def pointer(typingctx, addr):
+        def codegen(context, builder, sig, args):
+            return builder.inttoptr(args[0], context.get_value_type(sig.return_type))
+
+        return types.CPointer(nbtype)(addr), codegen
+
+    return pointer
+
+
+_u16_at = _pointer_to(types.uint16)  # float16 and bfloat16 are handled as their bits
+_f32_at = _pointer_to(types.float32)
+_f64_at = _pointer_to(types.float64)
+
+
+@intrinsic
+def _bits(typingctx, x):
+    """float32 -> its bits, zero-extended to int64 (int64 keeps Numba's integer typing simple)."""
+
+    def codegen(context, builder, sig, args):
+        return builder.zext(builder.bitcast(args[0], ir.IntType(32)), ir.IntType(64))
+
+    return types.int64(types.float32), codegen
+
+
+@intrinsic
+def _from_bits(typingctx, x):
+    """Low 32 bits of an int64 -> the float32 with those bits."""
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(builder.trunc(args[0], ir.IntType(32)), ir.FloatType())
+
+    return types.float32(types.int64), codegen
+
+
+def _prefetcher(rw):
+    @intrinsic
+    def prefetch(typingctx, addr):
+        def codegen(context, builder, sig, args):
+            i8p = ir.IntType(8).as_pointer()
+            i32 = ir.IntType(32)
+            fn = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+                "llvm.prefetch.p0")
+            builder.call(fn, [builder.inttoptr(args[0], i8p), i32(rw), i32(3), i32(1)])
+            return context.get_dummy_value()
+
+        return types.none(addr), codegen
+
+    return prefetch
+
+
+# The channel-diagonal rows are short (one plane: H x W or Ho x Wo values) and far apart,
+# so hardware prefetchers barely ramp up on them; asking for the next rows early keeps
+# enough memory requests in flight. Arguments: byte addresses.
+_prefetch_read = _prefetcher(0)
+_prefetch_write = _prefetcher(1)
+
+
+# ---------------------------------------------------------------------------------------
+# float16 / bfloat16 conversions, exact and branch-light so loops over them vectorise.
+
+# Helpers are compiled into the kernels (and cached with them); only kernels carry cache=True.
+_inner = dict(nogil=True, error_model="numpy")
+_jit = dict(_inner, cache=True)
+
+
+@njit(**_inner)
+def _keep(v):
+    return v
+
+
+@njit(**_inner)
+def _f16_decode_bits(h):
+    """float16 bits -> float32 (exact; Inf and NaN kept), by integer arithmetic."""
+    h = np.int64(h)
+    o = (h & 0x7FFF) << 13  # exponent and mantissa, aligned to float32's
+    e = o & 0x0F800000
+    o += (127 - 15) << 23  # rebias the exponent
+    if e == 0x0F800000:  # Inf / NaN: exponent all ones again
+        o += (128 - 16) << 23
+    elif e == 0:  # zero / subnormal: the float subtraction renormalises, exactly
+        o = _bits(_from_bits(o + (1 << 23)) - np.float32(6.103515625e-05))
+    return _from_bits(o | ((h & 0x8000) << 16))
+
+
+@njit(**_inner)
+def _bf16_decode(h):
+    """bfloat16 bits -> float32 (exact: bfloat16 is the top half of a float32)."""
+    return _from_bits(np.int64(h) << 16)
+
+
+@njit(**_inner)
+def _f16_encode32_bits(f):
+    """float32 -> float16 bits, round to nearest even; overflow -> Inf, NaN -> NaN; by
+    integer arithmetic."""
+    x = _bits(f)
+    sign = x & 0x80000000
+    x ^= sign
+    if x >= 0x47800000:  # |f| >= 2**16 (or Inf / NaN): beyond the largest float16
+        o = 0x7E00 if x > 0x7F800000 else 0x7C00
+    elif x < 0x38800000:  # |f| < 2**-14: float16 subnormal or zero
+        # Adding 0.5 puts the subnormal quantum 2**-24 in the float32's last place, so
+        # the hardware's own round-to-nearest-even does the rounding.
+        o = _bits(_from_bits(x) + np.float32(0.5)) - 0x3F000000
+    else:
+        mant_odd = (x >> 13) & 1
+        x += ((15 - 127) << 23) + 0xFFF + mant_odd  # rebias; round half to even
+        o = x >> 13
+    return np.uint16(o | (sign >> 16))
+
+
+@intrinsic
+def _f16_decode_hw(typingctx, h):
+    """float16 bits -> float32 with LLVM's ``fpext half``: one vcvtph2ps (F16C) or fcvt."""
+
+    def codegen(context, builder, sig, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+    return types.float32(types.uint16), codegen
+
+
+@intrinsic
+def _f16_encode32_hw(typingctx, f):
+    """float32 -> float16 bits with LLVM's ``fptrunc``: vcvtps2ph / fcvt, which round to
+    nearest even (the default rounding mode, which Numba never changes)."""
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+
+    return types.uint16(types.float32), codegen
+
+
+def _half_in_hardware() -> bool:
+    """Whether Numba's target converts float16 in hardware (x86 F16C, any 64-bit Arm).
+    Elsewhere LLVM would call a runtime helper that Numba's JIT may not provide."""
+    if platform.machine().lower() in ("aarch64", "arm64"):
+        return True
+    if numba.config.CPU_NAME:  # a chosen (portable) target: only its listed features
+        return "+f16c" in (numba.config.CPU_FEATURES or "")
+    return "+f16c" in llvm_binding.get_host_cpu_features().flatten().split(",")
+
+
+# The hardware conversions are 3 to 7 times faster (measured: docs/numba.md); the integer
+# versions are exact too and keep every other CPU working. Numba's cache key includes the
+# CPU and its features, so a cache never crosses this choice.
+if _half_in_hardware():
+    _f16_decode, _f16_encode32 = _f16_decode_hw, _f16_encode32_hw
+else:  # pragma: no cover - every CPU the project runs on has F16C
+    _f16_decode, _f16_encode32 = _f16_decode_bits, _f16_encode32_bits
+
+
+@njit(**_inner)
+def _bf16_encode32(f):
+    """float32 -> bfloat16 bits, round to nearest even; NaN stays a (quiet) NaN."""
+    x = _bits(f)
+    if (x & 0x7FFFFFFF) > 0x7F800000:
+        return np.uint16((x >> 16) | 0x40)
+    return np.uint16((x + 0x7FFF + ((x >> 16) & 1)) >> 16)
+
+
+@njit(**_inner)
+def _f32_round_odd(d):
+    """float64 -> float32 rounded to odd: then one more rounding to a 16-bit float equals
+    rounding ``d`` directly (float32 has more than 2 extra bits)."""
+    f = np.float32(d)
+    if np.float64(f) != d and d == d:
+        x = _bits(f)
+        if abs(np.float64(f)) > abs(d):
+            x -= 1  # the magnitude was rounded up: truncate instead
+        f = _from_bits(x | 1)
+    return f
+
+
+def _to_f32_once(v):  # pragma: no cover - replaced by the overload in compiled code
+    raise NotImplementedError
+
+
+@overload(_to_f32_once)
+def _to_f32_once_impl(v):
+    if v == types.float64:
+        return lambda v: _f32_round_odd(v)
+    return lambda v: np.float32(v)
+
+
+@njit(**_inner)
+def _f16_encode(v):
+    return _f16_encode32(_to_f32_once(v))
+
+
+@njit(**_inner)
+def _bf16_encode(v):
+    return _bf16_encode32(_to_f32_once(v))
+
+
+@njit(**_inner)
+def _f32_encode(v):
+    return np.float32(v)
+
+
+@njit(**_inner)
+def _f64_encode(v):
+    return np.float64(v)
+
+
+def _like(v, buf):  # pragma: no cover - replaced by the overload in compiled code
+    raise NotImplementedError
+
+
+@overload(_like)
+def _like_impl(v, buf):
+    """``v`` converted to the dtype of array ``buf`` (the accumulation dtype)."""
+    if buf.dtype == types.float32:
+        return lambda v, buf: np.float32(v)
+    return lambda v, buf: np.float64(v)
+
+
+@njit(**_inner)
+def _load(addr, code, k):
+    """One element of any float dtype, as float64 (for ``c``: one load per S row)."""
+    if code == F32:
+        return np.float64(_f32_at(addr)[k])
+    if code == F64:
+        return _f64_at(addr)[k]
+    if code == F16:
+        return np.float64(_f16_decode(_u16_at(addr)[k]))
+    return np.float64(_bf16_decode(_u16_at(addr)[k]))
+
+
+# ---------------------------------------------------------------------------------------
+# Inner loops. Each is written once and compiled per element decoder (and encoder), and
+# dispatched on the dtype code by an ``*_any`` function; the contiguous case gets its own
+# loop so that LLVM vectorises it.
+
+
+def _plane_adder(dec):
+    """A compiled ``add_plane`` with the element decoder ``dec`` built in (a decoder passed
+    as an argument would make the kernel uncacheable)."""
+
+    def add_plane(dst, ptr, off, sx, sy, H, W, scale):
+        """``dst[x*W + y] += scale * dec(ptr[off + x*sx + y*sy])`` over an H x W plane.
+
+        ``dst`` is a slice, indexed from 0 by loop counters: Numba's negative-index
+        wraparound check on a computed index would stop LLVM from vectorising."""
+        if sy == 1 and sx == W:
+            src = off
+            for e in range(H * W):
+                dst[e] += scale * dec(ptr[src + e])
+        else:
+            for x in range(H):
+                d = dst[x * W:(x + 1) * W]
+                src = off + x * sx
+                if sy == 1:
+                    for y in range(W):
+                        d[y] += scale * dec(ptr[src + y])
+                else:
+                    for y in range(W):
+                        d[y] += scale * dec(ptr[src + y * sy])
+
+    return njit(**_inner)(add_plane)
+
+
+_add_plane_keep = _plane_adder(_keep)
+_add_plane_f16 = _plane_adder(_f16_decode)
+_add_plane_bf16 = _plane_adder(_bf16_decode)
+
+
+def _pair_adder(dec):
+    """A compiled ``add_pair``: one gamma plane plus ``mu0`` times one mu plane, both of
+    one dtype, in a single pass over ``dst``."""
+
+    def add_pair(dst, gp, goff, gsx, gsy, mp, moff, msx, msy, H, W, mu0):
+        if gsy == 1 and gsx == W and msy == 1 and msx == W:
+            for e in range(H * W):
+                dst[e] += dec(gp[goff + e]) + mu0 * dec(mp[moff + e])
+        else:
+            for x in range(H):
+                d = dst[x * W:(x + 1) * W]
+                ga, ma = goff + x * gsx, moff + x * msx
+                for y in range(W):
+                    d[y] += dec(gp[ga + y * gsy]) + mu0 * dec(mp[ma + y * msy])
+
+    return njit(**_inner)(add_pair)
+
+
+_add_pair_keep = _pair_adder(_keep)
+_add_pair_f16 = _pair_adder(_f16_decode)
+_add_pair_bf16 = _pair_adder(_bf16_decode)
+
+
+@njit(**_inner)
+def _add_pair_any(dst, addr, code, goff, gsx, gsy, maddr, moff, msx, msy, H, W, mu0):
+    if code == F32:
+        _add_pair_keep(dst, _f32_at(addr), goff, gsx, gsy, _f32_at(maddr), moff, msx, msy,
+                       H, W, mu0)
+    elif code == F64:
+        _add_pair_keep(dst, _f64_at(addr), goff, gsx, gsy, _f64_at(maddr), moff, msx, msy,
+                       H, W, mu0)
+    elif code == F16:
+        _add_pair_f16(dst, _u16_at(addr), goff, gsx, gsy, _u16_at(maddr), moff, msx, msy,
+                      H, W, mu0)
+    else:
+        _add_pair_bf16(dst, _u16_at(addr), goff, gsx, gsy, _u16_at(maddr), moff, msx, msy,
+                       H, W, mu0)
+
+
+def _quad_adder(dec):
+    """A compiled ``add_quad``: four channels at once, for contiguous planes of one dtype:
+    ``dst += sum over q of (gamma_q + a_q * mu_q)``. One pass over ``dst`` per four
+    channels instead of one per channel (phase 1 is partly compute-bound in cache)."""
+
+    def add_quad(dst, gp, g0, g1, g2, g3, mp, m0, m1, m2, m3, a0, a1, a2, a3, n, with_gamma):
+        if with_gamma:
+            for e in range(n):
+                dst[e] += (((dec(gp[g0 + e]) + dec(gp[g1 + e]))
+                            + (dec(gp[g2 + e]) + dec(gp[g3 + e])))
+                           + ((a0 * dec(mp[m0 + e]) + a1 * dec(mp[m1 + e]))
+                              + (a2 * dec(mp[m2 + e]) + a3 * dec(mp[m3 + e]))))
+        else:
+            for e in range(n):
+                dst[e] += ((a0 * dec(mp[m0 + e]) + a1 * dec(mp[m1 + e]))
+                           + (a2 * dec(mp[m2 + e]) + a3 * dec(mp[m3 + e])))
+
+    return njit(**_inner)(add_quad)
+
+
+_add_quad_keep = _quad_adder(_keep)
+_add_quad_f16 = _quad_adder(_f16_decode)
+_add_quad_bf16 = _quad_adder(_bf16_decode)
+
+
+@njit(**_inner)
+def _add_quad_any(dst, code, g_addr, g0, g1, g2, g3, m_addr, m0, m1, m2, m3,
+                  a0, a1, a2, a3, n, with_gamma):
+    if code == F32:
+        _add_quad_keep(dst, _f32_at(g_addr), g0, g1, g2, g3, _f32_at(m_addr), m0, m1, m2, m3,
+                       a0, a1, a2, a3, n, with_gamma)
+    elif code == F64:
+        _add_quad_keep(dst, _f64_at(g_addr), g0, g1, g2, g3, _f64_at(m_addr), m0, m1, m2, m3,
+                       a0, a1, a2, a3, n, with_gamma)
+    elif code == F16:
+        _add_quad_f16(dst, _u16_at(g_addr), g0, g1, g2, g3, _u16_at(m_addr), m0, m1, m2, m3,
+                      a0, a1, a2, a3, n, with_gamma)
+    else:
+        _add_quad_bf16(dst, _u16_at(g_addr), g0, g1, g2, g3, _u16_at(m_addr), m0, m1, m2, m3,
+                       a0, a1, a2, a3, n, with_gamma)
+
+
+@njit(**_inner)
+def _add_plane_any(dst, addr, code, off, sx, sy, H, W, scale):
+    if code == F32:
+        _add_plane_keep(dst, _f32_at(addr), off, sx, sy, H, W, scale)
+    elif code == F64:
+        _add_plane_keep(dst, _f64_at(addr), off, sx, sy, H, W, scale)
+    elif code == F16:
+        _add_plane_f16(dst, _u16_at(addr), off, sx, sy, H, W, scale)
+    else:
+        _add_plane_bf16(dst, _u16_at(addr), off, sx, sy, H, W, scale)
+
+
+def _row_adder(dec, enc):
+    """A compiled ``add_row`` with decoder and encoder of out's dtype built in."""
+
+    def add_row(ptr, off, si, sj, Ho, Wo, srow, cc):
+        """``ptr[off + i1*si + j1*sj] += cc * srow[i1*Wo + j1]``, rounded once into ptr's dtype."""
+        if sj == 1 and si == Wo:  # a contiguous Ho x Wo plane: one run
+            for e in range(Ho * Wo):
+                ptr[off + e] = enc(dec(ptr[off + e]) + cc * srow[e])
+            return
+        for i1 in range(Ho):
+            s = srow[i1 * Wo:(i1 + 1) * Wo]
+            base = off + i1 * si
+            if sj == 1:
+                for j1 in range(Wo):
+                    ptr[base + j1] = enc(dec(ptr[base + j1]) + cc * s[j1])
+            else:
+                for j1 in range(Wo):
+                    k = base + j1 * sj
+                    ptr[k] = enc(dec(ptr[k]) + cc * s[j1])
+
+    return njit(**_inner)(add_row)
+
+
+_add_row_f32 = _row_adder(_keep, _f32_encode)
+_add_row_f64 = _row_adder(_keep, _f64_encode)
+_add_row_f16 = _row_adder(_f16_decode, _f16_encode)
+_add_row_bf16 = _row_adder(_bf16_decode, _bf16_encode)
+
+
+@njit(**_inner)
+def _add_row_any(addr, code, off, si, sj, Ho, Wo, srow, cc):
+    if code == F32:
+        _add_row_f32(_f32_at(addr), off, si, sj, Ho, Wo, srow, cc)
+    elif code == F64:
+        _add_row_f64(_f64_at(addr), off, si, sj, Ho, Wo, srow, cc)
+    elif code == F16:
+        _add_row_f16(_u16_at(addr), off, si, sj, Ho, Wo, srow, cc)
+    else:
+        _add_row_bf16(_u16_at(addr), off, si, sj, Ho, Wo, srow, cc)
+
+
+@njit(**_inner)
+def _itemsize(code):
+    return 2 if code == F16 or code == BF16 else (4 if code == F32 else 8)
+
+
+@njit(**_inner)
+def _prefetch_plane(addr, code, off, sx, sy, H, W, write):
+    """Prefetch the cache lines of one H x W plane (rows with unit inner stride only)."""
+    if sy != 1:
+        return  # strided rows: left to the hardware
+    if sx == W:  # one contiguous run
+        H, W = 1, H * W
+    isz = _itemsize(code)
+    for x in range(H):
+        start = addr + (off + x * sx) * isz
+        end = start + W * isz
+        line = start & ~63
+        while line < end:
+            if write:
+                _prefetch_write(line)
+            else:
+                _prefetch_read(line)
+            line += 64
+
+
+@njit(**_inner)
+def _inside(offset, s, n, n_out):
+    """[lo, hi): the outputs i < n_out whose input position i*s + offset lies in [0, n)."""
+    lo = max(0, (s - 1 - offset) // s)
+    hi = min(n_out, (n - 1 - offset) // s + 1)
+    return lo, max(lo, hi)
+
+
+# ---------------------------------------------------------------------------------------
+# The kernel.
+
+# The kernel's integer arguments, in the order of its ``prm`` vector (one int64 array:
+# Numba types one array argument faster than forty integers). Addresses are in bytes,
+# strides in elements; out's and gamma's strides are those of their channel diagonals.
+_PRM = ("B Ci Co G H W Ho Wo kh kw sh sw ph pw dh dw pairs "
+        "o_addr o_code o_b o_c o_i0 o_j0 o_i1 o_j1 "
+        "g_addr g_code g_b g_c g_x0 g_y0 g_x1 g_y1 "
+        "m_addr m_code m_b m_c m_x m_y c_addr c_code c_s pf_gamma pf_out").split()
+
+
+def _kernel(prm, c_value, M):
+    """Add ``c[c0] * S[b, g(c0)]`` into out; ``M`` is the phase-1 buffer (acc dtype)."""
+    B, Ci, Co, G, H, W, Ho, Wo = prm[0], prm[1], prm[2], prm[3], prm[4], prm[5], prm[6], prm[7]
+    kh, kw, sh, sw, ph, pw, dh, dw = (prm[8], prm[9], prm[10], prm[11], prm[12], prm[13],
+                                      prm[14], prm[15])
+    pairs = prm[16]  # (b, g) pairs per chunk: M holds pairs x H*W*H*W values
+    o_addr, o_code, o_b, o_c, o_i0, o_j0, o_i1, o_j1 = (prm[17], prm[18], prm[19], prm[20],
+                                                          prm[21], prm[22], prm[23], prm[24])
+    g_addr, g_code, g_b, g_c, g_x0, g_y0, g_x1, g_y1 = (prm[25], prm[26], prm[27], prm[28],
+                                                          prm[29], prm[30], prm[31], prm[32])
+    m_addr, m_code, m_b, m_c, m_x, m_y = prm[33], prm[34], prm[35], prm[36], prm[37], prm[38]
+    c_addr, c_code, c_s = prm[39], prm[40], prm[41]
+    PF_GAMMA, PF_OUT = prm[42], prm[43]
+    Cg, Cog, HW, HoWo = Ci // G, Co // G, H * W, Ho * Wo
+    for first in range(0, B * G, pairs):
+        n = min(pairs, B * G - first)
+
+        # Phase 1: M[t, x0, y0] = sum over the group's ci of gamma + mu outer product.
+        for task in prange(n * H):
+            t, x0 = task // H, task % H
+            b, g = (first + t) // G, (first + t) % G
+            with_gamma = g_code != ABSENT
+            # Four channels per pass when gamma (if any) and mu share a dtype and their
+            # planes are contiguous: the common case.
+            quads = ((not with_gamma or (g_code == m_code and g_y1 == 1 and g_x1 == W))
+                     and m_y == 1 and m_x == W)
+            for y0 in range(W):
+                row = (task * W + y0) * HW
+                dst = M[row:row + HW]
+                dst[:] = 0
+                g_at = b * g_b + x0 * g_x0 + y0 * g_y0  # + ci * g_c: gamma[b, ci, x0, y0, (ci)]
+                m_at = b * m_b  # + ci * m_c: mu[b, ci]
+                m_xy = x0 * m_x + y0 * m_y
+                ci = g * Cg
+                while ci < (g + 1) * Cg:
+                    step = 4 if quads and ci + 4 <= (g + 1) * Cg else 1
+                    if with_gamma and PF_GAMMA > 0:
+                        # Ask for the planes PF_GAMMA planes ahead, in (y0, ci) order.
+                        for q in range(step):
+                            ahead = y0 * Cg + ci + q - g * Cg + PF_GAMMA
+                            if ahead < W * Cg:
+                                _prefetch_plane(g_addr, g_code,
+                                                b * g_b + (g * Cg + ahead % Cg) * g_c
+                                                + x0 * g_x0 + (ahead // Cg) * g_y0,
+                                                g_x1, g_y1, H, W, False)
+                    if step == 4:
+                        m0, m1, m2, m3 = (m_at + ci * m_c, m_at + (ci + 1) * m_c,
+                                          m_at + (ci + 2) * m_c, m_at + (ci + 3) * m_c)
+                        _add_quad_any(dst, m_code, g_addr, g_at + ci * g_c,
+                                      g_at + (ci + 1) * g_c, g_at + (ci + 2) * g_c,
+                                      g_at + (ci + 3) * g_c, m_addr, m0, m1, m2, m3,
+                                      _like(_load(m_addr, m_code, m0 + m_xy), M),
+                                      _like(_load(m_addr, m_code, m1 + m_xy), M),
+                                      _like(_load(m_addr, m_code, m2 + m_xy), M),
+                                      _like(_load(m_addr, m_code, m3 + m_xy), M),
+                                      HW, with_gamma)
+                    else:
+                        m_off = m_at + ci * m_c
+                        mu0 = _like(_load(m_addr, m_code, m_off + m_xy), M)
+                        if with_gamma and g_code == m_code:
+                            _add_pair_any(dst, g_addr, g_code, g_at + ci * g_c, g_x1, g_y1,
+                                          m_addr, m_off, m_x, m_y, H, W, mu0)
+                        else:  # no gamma, or mixed dtypes: one plane at a time
+                            if with_gamma:
+                                _add_plane_any(dst, g_addr, g_code, g_at + ci * g_c, g_x1,
+                                               g_y1, H, W, _like(1.0, M))
+                            _add_plane_any(dst, m_addr, m_code, m_off, m_x, m_y, H, W, mu0)
+                    ci += step
+
+        # Phase 2: S rows by the box filter over (ii, ji), added into every c0 of g.
+        for task in prange(n * Ho):
+            t, i0 = task // Ho, task % Ho
+            b, g = (first + t) // G, (first + t) % G
+            # Thread-local buffers. With sw == 1 the box filter works on rows of pitch
+            # P = sh * W, the distance in M between rows x1 and x1 + sh: then an S
+            # position (i1, j1) and the M position it reads differ by a constant for each
+            # (ii, ji), and a whole window is one contiguous run (the columns past Wo
+            # collect harmless garbage). Padding can make Wo > W: then rows of pitch
+            # sh * W would overlap, and the window is added row by row instead.
+            flat = sw == 1 and sh * W >= Wo
+            P = sh * W if flat else Wo
+            box = np.empty(Ho * P, M.dtype)
+            srow = box[:HoWo] if P == Wo else np.empty(HoWo, M.dtype)
+            for j0 in range(Wo):
+                box[:] = 0
+                for ii in range(kh):
+                    x0 = i0 * sh + ii * dh - ph
+                    if x0 < 0 or x0 >= H:
+                        continue  # the whole term lies in the padding: skipped, not 0*x
+                    i1_lo, i1_hi = _inside(ii * dh - ph, sh, H, Ho)
+                    if i1_lo == i1_hi:
+                        continue
+                    for ji in range(kw):
+                        y0 = j0 * sw + ji * dw - pw
+                        if y0 < 0 or y0 >= W:
+                            continue
+                        j1_lo, j1_hi = _inside(ji * dw - pw, sw, W, Wo)
+                        if j1_lo == j1_hi:
+                            continue
+                        # M[t, x0, y0, x1, y1] at x1 = i1*sh + ii*dh - ph, y1 = j1*sw + ji*dw - pw
+                        at = ((t * H + x0) * W + y0) * HW + (ii * dh - ph) * W + ji * dw - pw
+                        if flat and j1_lo == 0 and j1_hi == Wo:
+                            run = (i1_hi - i1_lo - 1) * P + Wo
+                            dst = box[i1_lo * P:i1_lo * P + run]
+                            src = M[at + i1_lo * P:at + i1_lo * P + run]
+                            for e in range(run):
+                                dst[e] += src[e]
+                        else:  # a window cut by the padding: row by row
+                            for i1 in range(i1_lo, i1_hi):
+                                dst = box[i1 * P + j1_lo:i1 * P + j1_hi]
+                                src = M[at + i1 * sh * W + j1_lo * sw:]
+                                for j1 in range(j1_hi - j1_lo):
+                                    dst[j1] += src[j1 * sw]
+                if P != Wo:
+                    for i1 in range(Ho):
+                        srow[i1 * Wo:(i1 + 1) * Wo] = box[i1 * P:i1 * P + Wo]
+                for c0 in range(g * Cog, (g + 1) * Cog):
+                    if PF_OUT > 0:  # ask for the out row PF_OUT rows ahead, in (j0, c0) order
+                        ahead = j0 * Cog + c0 - g * Cog + PF_OUT
+                        if ahead < Wo * Cog:
+                            _prefetch_plane(o_addr, o_code,
+                                            b * o_b + (g * Cog + ahead % Cog) * o_c
+                                            + i0 * o_i0 + (ahead // Cog) * o_j0,
+                                            o_i1, o_j1, Ho, Wo, True)
+                    cc = _like(c_value if c_code == ABSENT else
+                               _load(c_addr, c_code, c0 * c_s), M)
+                    off = b * o_b + c0 * o_c + i0 * o_i0 + j0 * o_j0
+                    _add_row_any(o_addr, o_code, off, o_i1, o_j1, Ho, Wo, srow, cc)
+
+
+def _renamed(f, name):
+    """A copy of function ``f`` called ``name``. Numba's disk cache is keyed by the
+    function's name and bytecode, not by compile flags: the serial and the parallel
+    compile of one function would overwrite each other's cache entries."""
+    g = FunctionType(f.__code__, f.__globals__, name, f.__defaults__, f.__closure__)
+    g.__qualname__ = name
+    return g
+
+
+_parallel = njit(parallel=True, **_jit)(_kernel)
+# In a forked child of a process that used GNU OpenMP a parallel region kills the
+# process; there the same kernel runs compiled without threads.
+_serial = njit(**_jit)(_renamed(_kernel, "_kernel_serial"))
+
+
+# ---------------------------------------------------------------------------------------
+# Running it: threading-layer safety.
+
+_lock = threading.Lock()
+_layer: str | None = None  # Numba's threading layer, once a parallel region has run
+_forked_after_omp = False
+
+
+def _current_layer() -> str | None:
+    try:
+        return numba.threading_layer()
+    except ValueError:  # no parallel region has run in this process yet
+        return None
+
+
+def _after_fork_in_child() -> None:
+    global _forked_after_omp
+    if _current_layer() == "omp":
+        _forked_after_omp = True
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _run(prm, c_value, M) -> None:
+    global _layer
+    if _forked_after_omp:
+        _serial(prm, c_value, M)
+    elif _layer is not None and _layer != "workqueue":
+        _parallel(prm, c_value, M)  # GIL released: concurrent calls really run at once
+    else:
+        # Until the layer is known (the first call chooses it) and for ever on workqueue,
+        # one call at a time.
+        with _lock:
+            _parallel(prm, c_value, M)
+            _layer = _current_layer()
+
+
+#: Phase-1 buffer per chunk of (b, g) pairs, in bytes: big enough to give every core work,
+#: small enough to stay in the last-level cache between phase 1 and phase 2.
+CHUNK_BYTES = 4 << 20
+#: Software prefetch distance, in bytes ahead of the plane / row being read (converted to
+#: whole gamma planes and out rows); measured on the ``cpu`` workload, docs/numba.md.
+PREFETCH_BYTES = 8 << 10
+#: Below this many bytes of channel diagonals the data sit in cache: no prefetching.
+PREFETCH_FROM_BYTES = 8 << 20
+
+_F32_MAX = float(np.finfo(np.float32).max)
+_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+
+
+def _diagonal(s: tuple) -> tuple:
+    """Element strides of the channel diagonal a[b, c, x, y, c, x', y'] of a full layout."""
+    return (s[0], s[1] + s[4], s[2], s[3], s[5], s[6])
+
+
+class NumbaBackend(Backend):
+    name = "numba"
+    device = "cpu"
+    dtypes = frozenset({"float16", "bfloat16", "float32", "float64"})
+
+    def accumulate(self, p) -> None:
+        acc = np.float64 if p.acc == "float64" else np.float32
+        c_value = p.c_value
+        if p.c is None:
+            c_part = (0, ABSENT, 0)
+            if acc is np.float32 and abs(c_value) > _F32_MAX and c_value == c_value:
+                acc = np.float64  # a finite c beyond float32 would become Inf (and Inf*0 NaN)
+        else:
+            ci = p.c_info
+            c_part = (ci.ptr, _CODE[ci.dtype], ci.strides[0] if ci.strides else 0)
+        o, gi, m = p.out_info, p.gamma_info, p.mu_info
+        o_part = (o.ptr, _CODE[o.dtype]) + (_diagonal(o.strides) if p.full_out else o.strides)
+        diag_bytes = p.B * p.Co * (p.Ho * p.Wo) ** 2 * _ITEMSIZE[o.dtype]
+        if gi is None:
+            g_part = (0, ABSENT, 0, 0, 0, 0, 0, 0)
+        else:
+            g_part = ((gi.ptr, _CODE[gi.dtype])
+                      + (_diagonal(gi.strides) if p.full_gamma else gi.strides))
+            diag_bytes += p.B * p.Ci * (p.H * p.W) ** 2 * _ITEMSIZE[gi.dtype]
+        pf = (0, 0)
+        if diag_bytes >= PREFETCH_FROM_BYTES:
+            g_plane = p.H * p.W * (2 if gi is None else _ITEMSIZE[gi.dtype])
+            pf = (max(1, PREFETCH_BYTES // g_plane),
+                  max(1, PREFETCH_BYTES // (p.Ho * p.Wo * _ITEMSIZE[o.dtype])))
+        plane = (p.H * p.W) ** 2
+        acc_size = 4 if acc is np.float32 else 8
+        pairs = max(1, min(p.B * p.G, CHUNK_BYTES // max(plane * acc_size, 1)))
+        prm = np.array((p.B, p.Ci, p.Co, p.G, p.H, p.W, p.Ho, p.Wo, p.kh, p.kw, p.sh, p.sw,
+                        p.ph, p.pw, p.dh, p.dw, pairs, *o_part, *g_part, m.ptr,
+                        _CODE[m.dtype], *m.strides, *c_part, *pf), np.int64)
+        assert len(prm) == len(_PRM)
+        _run(prm, acc(c_value), np.empty(pairs * plane, acc))
+
+
+backend = NumbaBackend()

@@ -1,0 +1,531 @@
+"""The ``cupy`` backend on a GPU: what the shared property test does not reach.
+
+Both kernel paths (one launch, and three through the channel sum T and S) forced on the same
+problems; fast (vectorised) and generic (strided) layouts; float16/bfloat16; torch and CuPy
+arrays and numba device arrays; launches on a non-default torch or CuPy stream; an ``out``
+and a ``gamma`` of more than 2**31 elements; several threads at once; arrays on the second
+GPU. Without CuPy or a CUDA device every GPU test skips and says why; the probe's reason
+is checked here too.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+import convcov
+from convcov import _registry
+
+from kinds import make, to_f64, tolerance, torch_cuda
+
+BACKEND = _registry.get("cupy")
+REASON = BACKEND.unavailable_reason()
+gpu = pytest.mark.skipif(REASON is not None, reason=f"cupy: {REASON}")
+need_torch = pytest.mark.skipif(not torch_cuda(), reason="torch with CUDA is not installed")
+
+
+def test_probe_reason_is_clear():
+    """Unavailable is reported with the cause, never as a crash (CI has no GPU)."""
+    rows = {r.name: r for r in convcov.backends()}
+    assert rows["cupy"].device == "cuda"
+    if REASON is None:
+        assert rows["cupy"].available
+    else:
+        assert REASON.startswith(("not installed", "no CUDA device")), REASON
+        assert not rows["cupy"].available and rows["cupy"].reason == REASON
+
+
+def test_module_import_does_not_import_cupy():
+    code = ("import sys, convcov, convcov.backends.cupy as m; "
+            "assert 'cupy' not in sys.modules, 'imported cupy'; "
+            "assert m.backend.name == 'cupy'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ------------------------------------------------------------------ helpers
+@pytest.fixture(params=["direct", "three", "three-chunked"])
+def path(request, monkeypatch):
+    """Force one kernel path: one launch (cc_direct), or three (cc_gsum: T, cc_sbox: S,
+    cc_stream: out). "three-chunked" pretends the device has one small multiprocessor, so
+    that cc_stream's tiles take several output channels each and cc_direct splits none."""
+    from convcov.backends import cupy as mod
+
+    if request.param == "direct":
+        monkeypatch.setattr(mod, "_DIRECT_TERMS", 1 << 62)
+    else:
+        monkeypatch.setattr(mod, "_DIRECT_TERMS", -1)
+        monkeypatch.setattr(mod, "_DIRECT_RATIO", 0)
+    if request.param == "three-chunked":
+        monkeypatch.setattr(BACKEND, "_sm_threads", lambda dev: (1, 256))
+    BACKEND._plans.clear()  # plans remember the path chosen
+    yield request.param
+    BACKEND._plans.clear()
+
+
+def _kinds():
+    kinds = []
+    if torch_cuda():
+        kinds.append("torch_cuda")
+    if importlib.util.find_spec("cupy") is not None and REASON is None:
+        kinds.append("cupy")
+    return kinds
+
+
+def _problem(rng, kind, dtypes, layouts, B=2, Ci=4, Co=6, G=2, H=7, W=6, k=(3, 2),
+             stride=(1, 1), padding=(0, 0), dilation=(1, 1), full_out=True, gamma="full",
+             c_form="1d"):
+    kh, kw = k
+    Ho = (H + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
+    Wo = (W + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
+    oshape = (B, Co, Ho, Wo, Co, Ho, Wo) if full_out else (B, Co, Ho, Wo, Ho, Wo)
+    gshape = {"full": (B, Ci, H, W, Ci, H, W), "diag": (B, Ci, H, W, H, W)}.get(gamma)
+    out = make(rng.standard_normal(oshape), kind, dtypes[0], layouts[0], rng)
+    g = None if gshape is None else make(rng.random(gshape), kind, dtypes[1], layouts[1], rng)
+    mu = make(rng.standard_normal((B, Ci, H, W)), kind, dtypes[2], layouts[2], rng)
+    cv = rng.random(Co) + 0.5
+    c = float(cv[0]) if c_form == "number" else make(
+        cv if c_form == "1d" else np.array(cv[0]), kind, dtypes[3])
+    conv = dict(stride=stride, padding=padding, dilation=dilation, groups=G)
+    return out, g, mu, c, k, conv
+
+
+def _check(out, g, mu, c, k, conv, run=None):
+    """Run the cupy backend on the arrays and compare with the numpy reference."""
+    out0, mu64 = to_f64(out), to_f64(mu)
+    g64 = None if g is None else to_f64(g)
+    Co = out0.shape[1]
+    c64 = c if isinstance(c, float) else np.broadcast_to(to_f64(c), (Co,)).copy()
+    ref = convcov.accumulate(out0.copy(), g64, mu64, c64, k, backend="numpy", **conv)
+    bound = convcov.accumulate(np.abs(out0), None if g64 is None else np.abs(g64),
+                               np.abs(mu64), np.abs(c64), k, backend="numpy", **conv)
+    if run is None:
+        assert convcov.accumulate(out, g, mu, c, k, backend="cupy", **conv) is out
+    else:
+        run()
+    got = to_f64(out)
+    names = [str(x.dtype).split(".")[-1] for x in (out, g, mu) if x is not None]
+    acc = "float64" if "float64" in names or (
+        not isinstance(c, float) and "float64" in str(c.dtype)) else "float32"
+    Cg = mu64.shape[1] // conv["groups"]
+    tol = tolerance(bound, 2 * Cg * k[0] * k[1], acc, names[0])
+    bad = ~(np.abs(got - ref) <= tol)
+    assert not bad.any(), f"{bad.sum()} of {bad.size} elements off"
+    if out0.ndim == 7:  # off the channel-diagonal: bit-identical
+        off = np.ones(out0.shape, bool)
+        for c0 in range(Co):
+            off[:, c0, :, :, c0] = False
+        np.testing.assert_array_equal(got[off], out0[off])
+
+
+# ------------------------------------------------------------------ correctness
+CONV = [
+    dict(),
+    dict(stride=(2, 1), padding=(1, 2), dilation=(1, 2)),
+    dict(H=9, W=9, k=(3, 3), stride=(1, 1), padding=(2, 2), G=1, Ci=3, Co=3),
+    dict(H=8, W=8, k=(1, 1), G=2, Ci=4, Co=4),
+]
+
+
+@gpu
+@pytest.mark.parametrize("kind", _kinds())
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64"])
+@pytest.mark.parametrize("conv", range(len(CONV)))
+@pytest.mark.parametrize("form", [(True, "full"), (False, "diag"), (True, None), (False, "full")])
+def test_matches_reference(path, kind, dtype, conv, form):
+    if dtype == "bfloat16" and kind != "torch_cuda":
+        pytest.skip("bfloat16 arrays come from torch")
+    rng = np.random.default_rng(hash((kind, dtype, conv, form)) % 2**32)
+    args = _problem(rng, kind, [dtype] * 4, ["contiguous"] * 3, full_out=form[0],
+                    gamma=form[1], **CONV[conv])
+    _check(*args)
+
+
+@gpu
+@pytest.mark.parametrize("kind", _kinds())
+@pytest.mark.parametrize("layouts", [("permuted", "strided", "permuted"),
+                                     ("strided", "permuted", "strided"),
+                                     ("contiguous", "contiguous", "strided")])
+@pytest.mark.parametrize("dtypes", [("float32",) * 4, ("float16", "float32", "float64", "float16"),
+                                    ("float32", "float16", "float16", "float32")])
+def test_views_and_mixed_dtypes(path, kind, layouts, dtypes):
+    rng = np.random.default_rng(7)
+    for full_out, gamma in ((True, "full"), (False, "diag")):
+        _check(*_problem(rng, kind, dtypes, layouts, full_out=full_out, gamma=gamma,
+                         c_form="0d", **CONV[1]))
+
+
+@gpu
+@need_torch
+def test_misaligned_views_take_the_generic_path(path):
+    """Views that start one element in cannot use 16-byte loads: still right."""
+    import torch
+
+    rng = np.random.default_rng(3)
+    out, g, mu, c, k, conv = _problem(rng, "torch_cuda", ["float32"] * 4, ["contiguous"] * 3,
+                                      H=8, W=8, k=(3, 3), full_out=False, gamma="diag")
+    big = torch.zeros(out.numel() + 1, device="cuda")
+    big[1:] = out.reshape(-1)
+    out = big[1:].view(out.shape)
+    gbig = torch.zeros(g.numel() + 1, device="cuda")
+    gbig[1:] = g.reshape(-1)
+    _check(out, gbig[1:].view(g.shape), mu, c, k, conv)
+
+
+@gpu
+@need_torch
+def test_requires_grad_tensors():
+    import torch
+
+    rng = np.random.default_rng(4)
+    out, g, mu, c, k, conv = _problem(rng, "torch_cuda", ["float32"] * 4, ["contiguous"] * 3)
+    _check(out, g.requires_grad_(), mu.requires_grad_(), c, k, conv)
+    assert isinstance(out, torch.Tensor)
+
+
+@gpu
+def test_numba_device_arrays():
+    cuda = pytest.importorskip("numba.cuda")
+    if not cuda.is_available():
+        pytest.skip("numba.cuda sees no device")
+    rng = np.random.default_rng(5)
+    _check(*_problem(rng, "numba", ["float32"] * 4, ["contiguous"] * 3))
+
+
+# ------------------------------------------------------------------ streams
+@gpu
+@need_torch
+def test_runs_on_the_current_torch_stream(path):
+    """Work queued on a side stream before the call must be seen by the call: if the
+    kernel ran on another stream it would read ``out`` before the copy that fills it."""
+    import torch
+
+    rng = np.random.default_rng(6)
+    out, g, mu, c, k, conv = _problem(rng, "torch_cuda", ["float32"] * 4, ["contiguous"] * 3)
+    src = out.clone()
+    expected = out.clone()
+    convcov.accumulate(expected, g, mu, c, k, backend="cupy", **conv)
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        out.zero_()
+        torch.cuda._sleep(20_000_000)  # ~10 ms of GPU time on this stream
+        out.copy_(src)
+        convcov.accumulate(out, g, mu, c, k, backend="cupy", **conv)
+        got = out.clone()
+    side.synchronize()
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+@gpu
+def test_runs_on_the_current_cupy_stream(path):
+    import cupy
+
+    spin = cupy.RawKernel(r'''extern "C" __global__ void spin(long long n) {
+        long long t0 = clock64(); while (clock64() - t0 < n) {} }''', "spin")
+    rng = np.random.default_rng(8)
+    out, g, mu, c, k, conv = _problem(rng, "cupy", ["float32"] * 4, ["contiguous"] * 3)
+    src = out.copy()
+    expected = out.copy()
+    convcov.accumulate(expected, g, mu, c, k, backend="cupy", **conv)
+    cupy.cuda.Device().synchronize()
+    with cupy.cuda.Stream(non_blocking=True) as side:
+        out.fill(0)
+        spin((1,), (1,), (np.int64(20_000_000),))
+        out[...] = src
+        convcov.accumulate(out, g, mu, c, k, backend="cupy", **conv)
+        got = out.copy()
+    side.synchronize()
+    np.testing.assert_array_equal(cupy.asnumpy(got), cupy.asnumpy(expected))
+
+
+# ------------------------------------------------------------------ 64-bit indexing
+@gpu
+@need_torch
+@pytest.mark.parametrize("layout", ["diag", "full"])
+def test_more_than_2_31_elements(path, layout):
+    """out (and, for diag, gamma) with more than 2**31 elements; checked on the GPU against
+    the plain torch expression."""
+    import torch
+
+    from convcov import torch_expr
+
+    if layout == "diag":  # (H*W)**2 = 218**4 > 2**31 for gamma; (Ho*Wo)**2 = 216**4 for out
+        B, Ci, Co, H, k = 1, 1, 1, 218, 3
+    else:  # full out: Co**2 * (Ho*Wo)**2 = 12**2 * 64**4 > 2**31
+        B, Ci, Co, H, k = 1, 2, 12, 66, 3
+    Ho = H - k + 1
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rand = lambda *s: torch.rand(s, generator=gen, device="cuda", dtype=torch.float16)  # noqa: E731
+    oshape = (B, Co, Ho, Ho, Ho, Ho) if layout == "diag" else (B, Co, Ho, Ho, Co, Ho, Ho)
+    out = rand(*oshape)
+    gamma = rand(B, Ci, H, H, H, H) if layout == "diag" else None
+    assert out.numel() > 2**31 and (gamma is None or gamma.numel() > 2**31)
+    mu = rand(B, Ci, H, H)
+    c = torch.rand(Co, generator=gen, device="cuda") + 0.5
+    diag = (lambda o: o) if layout == "diag" else (
+        lambda o: o.diagonal(dim1=1, dim2=4).permute(0, 5, 1, 2, 3, 4))
+    before = diag(out).float()  # a copy of the channel-diagonal only
+    if layout == "full":
+        probe = out[0, 0, 0, 0, 1].clone()  # an off-diagonal slice: must not change
+    convcov.accumulate(out, gamma, mu, c, k, backend="cupy")
+    S = torch_expr.patch_moment(gamma, mu, k, k)  # (B, 1, Ho, Ho, Ho, Ho), float32
+    want = before + c.view(1, Co, 1, 1, 1, 1) * S
+    got = diag(out).float()
+    err = (got - want).abs().max().item()
+    assert err <= 2e-3 * want.abs().max().item(), err
+    if layout == "full":
+        assert torch.equal(out[0, 0, 0, 0, 1], probe)
+
+
+# ------------------------------------------------------------------ threads, devices
+@gpu
+@need_torch
+def test_threads_at_once():
+    """Several Python threads, each with its own arrays, shapes, dtypes and torch stream."""
+    import torch
+
+    rng = np.random.default_rng(9)
+    jobs = []
+    for i in range(8):
+        dtype = ["float32", "float16", "bfloat16", "float64"][i % 4]
+        conv = CONV[i % len(CONV)]
+        jobs.append(_problem(rng, "torch_cuda", [dtype] * 4, ["contiguous"] * 3,
+                             full_out=bool(i % 2), gamma=["full", "diag", None][i % 3], **conv))
+    expected = []
+    for out, g, mu, c, k, conv in jobs:
+        e = out.clone()
+        convcov.accumulate(e, g, mu, c, k, backend="cupy", **conv)
+        expected.append(e)
+    torch.cuda.synchronize()
+    errors, barrier = [], threading.Barrier(len(jobs))
+
+    def work(i):
+        try:
+            out, g, mu, c, k, conv = jobs[i]
+            src = out.clone()
+            stream = torch.cuda.Stream() if i % 2 else torch.cuda.current_stream()
+            torch.cuda.current_stream().synchronize()
+            barrier.wait()
+            with torch.cuda.stream(stream):
+                for _ in range(20):
+                    out.copy_(src)
+                    convcov.accumulate(out, g, mu, c, k, backend="cupy", **conv)
+            stream.synchronize()
+            if not torch.equal(out, expected[i]):
+                errors.append(f"thread {i}: wrong result")
+        except Exception as exc:  # reported below, in the main thread
+            errors.append(f"thread {i}: {exc!r}")
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+
+
+@gpu
+@need_torch
+def test_second_gpu():
+    """Arrays on cuda:1 are computed there, whatever the current device is."""
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs (nvidia-h200-x2)")
+    rng = np.random.default_rng(10)
+    torch.cuda.set_device(0)
+    for kind in _kinds():
+        out, g, mu, c, k, conv = _problem(rng, "numpy", ["float32"] * 4, ["contiguous"] * 3)
+        if kind == "torch_cuda":
+            move = lambda x: torch.from_numpy(x).to("cuda:1")  # noqa: E731
+        else:
+            import cupy
+
+            def move(x):
+                with cupy.cuda.Device(1):
+                    return cupy.asarray(x)
+        arrays = [move(x) for x in (out, g, mu, c)]
+        _check(*arrays, k, conv)
+        assert torch.cuda.current_device() == 0
+
+
+# ------------------------------------------------------------------ the CUDA source on the host
+# CI has no GPU: there, the kernels' source is compiled as plain C++ (every thread of every
+# block run in turn; the source's non-__CUDA_ARCH__ branches exist for this) and driven by
+# the backend's own planning code on numpy arrays. This checks the index arithmetic,
+# strides, layouts, vector widths, tiling and dtype conversions of every kernel against
+# the numpy reference; the GPU-only pieces (intrinsics, inline PTX, streams) are left to
+# the tests above.
+_HOST_PRELUDE = r"""
+#include <cmath>
+#include <cstring>
+#define __device__
+#define __global__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+struct uint2 { unsigned x, y; };
+struct uint4 { unsigned x, y, z, w; };
+struct dim3_ { unsigned x, y, z; };
+static dim3_ threadIdx, blockIdx, blockDim, gridDim;
+static float host_d2f_rz(double d) {
+  float f = (float)d;
+  if (std::fabs((double)f) > std::fabs(d)) f = std::nextafter(f, 0.0f);
+  return f;
+}
+static float host_h2f(unsigned short h) {
+  unsigned s = (h & 0x8000u) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff, u;
+  if (e == 0) { float v = (float)m * 5.9604644775390625e-8f; return s ? -v : v; }
+  u = e == 0x1f ? (s | 0x7f800000u | (m << 13)) : (s | ((e + 112) << 23) | (m << 13));
+  float f; std::memcpy(&f, &u, 4); return f;
+}
+static unsigned short host_f2h(float f) {
+  unsigned x; std::memcpy(&x, &f, 4);
+  unsigned sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
+  if (ax > 0x7f800000u) return sign | 0x7e00u;
+  if (ax >= 0x477ff000u) return sign | 0x7c00u;
+  if (ax < 0x38800000u) {  // float16 subnormal: a multiple of 2**-24, rounded to even
+    float v; std::memcpy(&v, &ax, 4);
+    return sign | (unsigned)std::nearbyint(v * 16777216.0f);
+  }
+  return sign | ((ax + 0xfffu + ((ax >> 13) & 1u) - 0x38000000u) >> 13);
+}
+static float host_fmaf(float a, float b, float c) { return std::fma(a, b, c); }
+static double host_fma(double a, double b, double c) { return std::fma(a, b, c); }
+"""
+
+
+def _all_kernel_names():
+    from convcov.backends import cupy as mod
+
+    families = [("generic", "", "float"), ("generic", "", "double")] + [
+        ("fast", cxx, acc) for cxx in ("f16", "bf16", "float", "double")
+        for acc in ("float", "double") if not (cxx == "double" and acc == "float")]
+    return list(dict.fromkeys(n for f in families for n in mod._family_names(f)))
+
+
+@pytest.fixture(scope="module")
+def host_kernels(tmp_path_factory):
+    import ctypes
+    import shutil
+
+    from convcov.backends import cupy as mod
+
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no C++ compiler for the host build of the CUDA source")
+    names = _all_kernel_names()
+    drivers = "".join(
+        f'extern "C" void run_{i}(const Args* a, long long grid) {{ blockDim.x = 256; '
+        f"gridDim.x = (unsigned)grid; for (long long bx = 0; bx < grid; ++bx) {{ "
+        f"blockIdx.x = (unsigned)bx; for (unsigned t = 0; t < 256; ++t) {{ "
+        f"threadIdx.x = t; {n}(*a); }} }} }}\n" for i, n in enumerate(names))
+    d = tmp_path_factory.mktemp("host_kernels")
+    (d / "k.cpp").write_text(_HOST_PRELUDE + mod.SOURCE + drivers)
+    subprocess.run([cxx, "-O1", "-std=c++14", "-shared", "-fPIC", "-w", "-o",
+                    str(d / "k.so"), str(d / "k.cpp")], check=True)
+    return ctypes.CDLL(str(d / "k.so")), {n: i for i, n in enumerate(names)}
+
+
+def _run_on_host(host_kernels, p, sms):
+    """The backend's plan for p (numpy arrays), launched on the host build."""
+    import ctypes
+
+    from convcov.backends import cupy as mod
+
+    lib, index = host_kernels
+
+    class Host(mod.CupyBackend):
+        def _function(self, name, family, dev):
+            assert name in mod._family_names(family), (name, family)
+            return name
+
+        def _sm_threads(self, dev):
+            return sms
+
+    plan = Host()._plan(p, 0)
+    scratch = np.full(plan.scratch + 64, np.nan, plan.acc)  # NaN: unwritten reads show
+    base = scratch.ctypes.data + (-scratch.ctypes.data) % 256
+    c_bits = int(np.array(p.c_value, np.float64).view(np.int64))
+    for ln in plan.launches:
+        args = np.array(ln.args, np.int64)
+        args[0], args[2] = p.out_info.ptr, p.mu_info.ptr
+        args[4], args[5] = base + plan.t_offset, base  # T after S, as _scratch lays them
+        args[1] = 0 if p.gamma_info is None else p.gamma_info.ptr
+        args[3] = 0 if p.c_info is None else p.c_info.ptr
+        args[-1] = c_bits
+        getattr(lib, f"run_{index[ln.func]}")(ctypes.c_void_p(args.ctypes.data),
+                                              ctypes.c_longlong(ln.grid))
+    return [ln.func for ln in plan.launches]
+
+
+_HOST_CASES = [  # (B, Ci, Co, G, H, W, k, stride, padding, dilation)
+    (2, 4, 4, 1, 6, 6, (3, 3), (1, 1), (0, 0), (1, 1)),
+    (2, 6, 4, 2, 8, 8, (3, 3), (1, 1), (1, 1), (1, 1)),
+    (1, 5, 10, 1, 6, 7, (2, 3), (1, 1), (1, 0), (1, 1)),
+    (2, 8, 8, 2, 8, 8, (3, 3), (2, 1), (2, 1), (1, 2)),
+    (1, 9, 9, 3, 4, 8, (1, 1), (1, 1), (0, 0), (1, 1)),
+    (1, 2, 2, 1, 19, 19, (3, 3), (1, 1), (1, 0), (1, 1)),  # rows longer than a block
+    (1, 2, 3, 1, 20, 20, (3, 3), (1, 1), (0, 0), (1, 1)),  # several stream tiles, 8-wide
+]
+
+
+@pytest.mark.parametrize("case", range(len(_HOST_CASES)))
+@pytest.mark.parametrize("dtype", ["float32", "float16", "float64"])
+@pytest.mark.parametrize("forced", ["direct", "three"])
+@pytest.mark.parametrize("form", [(False, "diag"), (True, "full"), (False, None)])
+def test_cuda_source_on_host(host_kernels, monkeypatch, case, dtype, forced, form):
+    from convcov.backends import cupy as mod
+
+    B, Ci, Co, G, H, W, k, stride, padding, dilation = _HOST_CASES[case]
+    if forced == "direct":
+        monkeypatch.setattr(mod, "_DIRECT_TERMS", 1 << 62)
+    else:
+        monkeypatch.setattr(mod, "_DIRECT_TERMS", -1)
+        monkeypatch.setattr(mod, "_DIRECT_RATIO", 0)
+    rng = np.random.default_rng(case)
+    out, g, mu, c, k, conv = _problem(rng, "numpy", [dtype] * 4, ["contiguous"] * 3, B=B,
+                                      Ci=Ci, Co=Co, G=G, H=H, W=W, k=k, stride=stride,
+                                      padding=padding, dilation=dilation, full_out=form[0],
+                                      gamma=form[1])
+    from convcov import _frontend
+
+    run = lambda: _run_on_host(host_kernels, _frontend.normalise(  # noqa: E731
+        out, g, mu, c, k, conv["stride"], conv["padding"], conv["dilation"], conv["groups"]),
+        (4, 256))
+    _check(out, g, mu, c, k, conv, run=run)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_cuda_source_on_host_random(host_kernels, monkeypatch, seed):
+    """Random sizes, conv parameters, dtype mixes, layouts (permuted, strided), paths and
+    device sizes (which change the tilings)."""
+    from convcov import _frontend
+    from convcov.backends import cupy as mod
+
+    rng = np.random.default_rng(1000 + seed)
+    i = lambda lo, hi: int(rng.integers(lo, hi + 1))  # noqa: E731
+    G, kh, kw, dh, dw, ph, pw = i(1, 3), i(1, 3), i(1, 3), i(1, 2), i(1, 2), i(0, 2), i(0, 2)
+    span_h, span_w = dh * (kh - 1) + 1, dw * (kw - 1) + 1
+    dims = dict(B=i(1, 2), Ci=G * i(1, 3), Co=G * i(1, 3), G=G,
+                H=i(max(1, span_h - 2 * ph), span_h + 6), W=i(max(1, span_w - 2 * pw), span_w + 6),
+                k=(kh, kw), stride=(i(1, 3), i(1, 3)), padding=(ph, pw), dilation=(dh, dw))
+    dts = ["float16", "float32", "float64"]
+    dtypes = [dts[i(0, 2)] for _ in range(4)] if rng.random() < 0.5 else [dts[i(0, 2)]] * 4
+    lays = ["contiguous", "permuted", "strided"]
+    layouts = [lays[i(0, 2)] for _ in range(3)] if rng.random() < 0.6 else ["contiguous"] * 3
+    out, g, mu, c, k, conv = _problem(rng, "numpy", dtypes, layouts, full_out=bool(i(0, 1)),
+                                      gamma=[None, "full", "diag"][i(0, 2)],
+                                      c_form=["number", "0d", "1d"][i(0, 2)], **dims)
+    if i(0, 1):
+        monkeypatch.setattr(mod, "_DIRECT_TERMS", -1)
+        monkeypatch.setattr(mod, "_DIRECT_RATIO", 0)
+    sms = [(4, 256), (1, 256), (132, 2048)][i(0, 2)]
+    run = lambda: _run_on_host(host_kernels, _frontend.normalise(  # noqa: E731
+        out, g, mu, c, k, conv["stride"], conv["padding"], conv["dilation"], conv["groups"]),
+        sms)
+    _check(out, g, mu, c, k, conv, run=run)

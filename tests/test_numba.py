@@ -1,0 +1,521 @@
+"""Tests specific to the ``numba`` backend (convcov/backends/numba.py).
+
+The shared property test (test_properties.py) already compares every backend with the
+numpy reference on random problems; this file covers what is particular to this one:
+the float16 / bfloat16 bit conversions (exhaustively where possible), rounding once
+into 16-bit outputs, torch bfloat16 CPU tensors, concurrent calls from several threads
+and after a fork, any strides (negative ones too), the literal-loop ground truth,
+non-finite values next to the padding, and that one compile serves every shape.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+
+import numpy as np
+import pytest
+
+numba = pytest.importorskip("numba")
+
+import convcov  # noqa: E402
+from convcov.backends import numba as nbb  # noqa: E402
+
+pytestmark = [
+    pytest.mark.skipif(nbb.backend.unavailable_reason() is not None,
+                       reason="numba backend unavailable"),
+    # the references cast overflowing and NaN values on purpose
+    pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning",
+                               "ignore:invalid value encountered:RuntimeWarning"),
+]
+
+
+# --------------------------------------------------------------------------- references
+def op_slow(out, gamma, mu, c, k, stride=1, padding=0, dilation=1, groups=1):
+    """The seed's op_slow, generalised to SPEC section 1, as literal float64 loops."""
+    kh, kw = (k, k) if np.isscalar(k) else k
+    sh, sw = (stride, stride) if np.isscalar(stride) else stride
+    ph, pw = (padding, padding) if np.isscalar(padding) else padding
+    dh, dw = (dilation, dilation) if np.isscalar(dilation) else dilation
+    out = np.array(out, np.float64)
+    mu = np.asarray(mu, np.float64)
+    B, Ci, H, W = mu.shape
+    Co, Ho, Wo = out.shape[1], out.shape[2], out.shape[3]
+    full_out = out.ndim == 7
+    diag = None
+    if gamma is not None:
+        gamma = np.asarray(gamma, np.float64)
+        diag = (np.einsum("bcxycuv->bcxyuv", gamma) if gamma.ndim == 7 else gamma)
+    c = np.broadcast_to(np.asarray(c, np.float64), (Co,))
+    Cg, Cog = Ci // groups, Co // groups
+    for b in range(B):
+        for c0 in range(Co):
+            g = c0 // Cog
+            for i0 in range(Ho):
+                for j0 in range(Wo):
+                    for i1 in range(Ho):
+                        for j1 in range(Wo):
+                            s = 0.0
+                            for ci in range(g * Cg, (g + 1) * Cg):
+                                for ii in range(kh):
+                                    for ji in range(kw):
+                                        x0, y0 = i0 * sh + ii * dh - ph, j0 * sw + ji * dw - pw
+                                        x1, y1 = i1 * sh + ii * dh - ph, j1 * sw + ji * dw - pw
+                                        if not (0 <= x0 < H and 0 <= y0 < W
+                                                and 0 <= x1 < H and 0 <= y1 < W):
+                                            continue
+                                        s += mu[b, ci, x0, y0] * mu[b, ci, x1, y1]
+                                        if diag is not None:
+                                            s += diag[b, ci, x0, y0, x1, y1]
+                            idx = ((b, c0, i0, j0, c0, i1, j1) if full_out
+                                   else (b, c0, i0, j0, i1, j1))
+                            out[idx] += c[c0] * s
+    return out
+
+
+def round_exact(d, mant_bits, min_exp, max_finite):
+    """Round float64 values to a binary format with ``mant_bits`` significand bits
+    (implicit bit included), smallest quantum 2**min_exp, round half to even; exact,
+    element by element, with Python floats (no library conversion is trusted here)."""
+    out = np.empty_like(np.asarray(d, np.float64))
+    for i, v in enumerate(np.asarray(d, np.float64).ravel()):
+        if not math.isfinite(v) or v == 0:
+            out.flat[i] = v
+            continue
+        _, e = math.frexp(abs(v))  # abs(v) = m * 2**e, 0.5 <= m < 1
+        q = 2.0 ** max(e - mant_bits, min_exp)
+        lo = math.floor(abs(v) / q) * q  # exact: both are powers of two times integers
+        hi = lo + q
+        mid = lo + q / 2
+        r = lo if abs(v) < mid else hi if abs(v) > mid else (lo if (lo / q) % 2 == 0 else hi)
+        if r > max_finite:
+            r = math.inf
+        out.flat[i] = math.copysign(r, v)
+    return out
+
+
+def to_f16_exact(d):
+    return round_exact(d, 11, -24, 65504.0)
+
+
+def to_bf16_exact(d):
+    return round_exact(d, 8, -133, float(np.float32(3.3895313892515355e38)))
+
+
+def bf16_bits_to_f64(bits):
+    return (np.asarray(bits, np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+def f64_to_bf16_bits(d):
+    """Exactly rounded bf16 bits of float64 values (via the exact rounding above)."""
+    return (np.asarray(to_bf16_exact(d), np.float32).view(np.uint32) >> 16).astype(np.uint16)
+
+
+# --------------------------------------------------------------------------- conversions
+@numba.njit
+def _decode_all(bits, how):
+    """how: 0 float16 as the kernel does it, 1 float16 by integer arithmetic, 2 bfloat16."""
+    out = np.empty(bits.shape[0], np.float32)
+    for i in range(bits.shape[0]):
+        if how == 0:
+            out[i] = nbb._f16_decode(bits[i])
+        elif how == 1:
+            out[i] = nbb._f16_decode_bits(bits[i])
+        else:
+            out[i] = nbb._bf16_decode(bits[i])
+    return out
+
+
+@numba.njit
+def _encode_all(x, how):
+    """how: 0 float16 as the kernel does it (float32 or float64 in), 1 float16 by integer
+    arithmetic (float32 in), 2 bfloat16."""
+    out = np.empty(x.shape[0], np.uint16)
+    for i in range(x.shape[0]):
+        if how == 0:
+            out[i] = nbb._f16_encode(x[i])
+        elif how == 1:
+            out[i] = nbb._f16_encode32_bits(np.float32(x[i]))
+        else:
+            out[i] = nbb._bf16_encode(x[i])
+    return out
+
+
+def _same_bits_or_both_nan(got_f64, ref_f64):
+    got, ref = np.asarray(got_f64, np.float64), np.asarray(ref_f64, np.float64)
+    both_nan = np.isnan(got) & np.isnan(ref)
+    same = (got == ref) & (np.signbit(got) == np.signbit(ref))
+    return both_nan | same
+
+
+@pytest.mark.parametrize("how", [0, 1], ids=["kernel", "integer"])
+def test_float16_decode_every_bit_pattern(how):
+    bits = np.arange(2**16, dtype=np.uint16)
+    got = _decode_all(bits, how)
+    ref = bits.view(np.float16).astype(np.float32)
+    assert _same_bits_or_both_nan(got, ref).all()
+
+
+def test_bfloat16_decode_every_bit_pattern():
+    bits = np.arange(2**16, dtype=np.uint16)
+    got = _decode_all(bits, 2)
+    ref = (bits.astype(np.uint32) << 16).view(np.float32)
+    assert (got.view(np.uint32) == ref.view(np.uint32)).all()
+
+
+def _hard_float32_values(rng):
+    """Every float16 value, every midpoint between neighbours (ties), one float32 ulp on
+    either side of each midpoint, the overflow boundary, specials and random values."""
+    f16 = np.arange(2**16, dtype=np.uint16).view(np.float16)
+    f16 = f16[np.isfinite(f16)].astype(np.float64)
+    f16 = np.unique(f16)
+    mids = ((f16[:-1] + f16[1:]) / 2).astype(np.float32)
+    near = np.concatenate([np.nextafter(mids, np.float32(np.inf)),
+                           np.nextafter(mids, np.float32(-np.inf))])
+    special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 65504, 65519.99, 65520, 65536,
+                        1e-8, 2.0**-25, 2.0**-24, 3 * 2.0**-26, 1e30, -1e30, 3.4e38],
+                       np.float32)
+    rand = (rng.standard_normal(200_000) * np.exp(rng.uniform(-40, 40, 200_000))).astype(
+        np.float32)
+    return np.concatenate([f16.astype(np.float32), mids, near, special, rand])
+
+
+@pytest.mark.parametrize("how", [0, 1], ids=["kernel", "integer"])
+def test_float16_encode_float32_round_to_nearest_even(how):
+    x = _hard_float32_values(np.random.default_rng(1))
+    got = _encode_all(x, how).view(np.float16).astype(np.float64)
+    ref = x.astype(np.float16).astype(np.float64)  # numpy: correctly rounded, RNE
+    assert _same_bits_or_both_nan(got, ref).all()
+    assert np.isnan(got[np.isnan(x)]).all()
+
+
+def test_float16_encode_float64_rounds_once():
+    """With float64 accumulation the result must be rounded once, not float64 -> float32
+    -> float16 (double rounding): values just above a float16 tie, closer than a float32
+    ulp, expose the difference."""
+    rng = np.random.default_rng(2)
+    f16 = np.unique(np.arange(2**15, dtype=np.uint16).view(np.float16)
+                    [:31744].astype(np.float64))  # positive finite values
+    mids = (f16[:-1] + f16[1:]) / 2
+    eps = np.abs(mids) * 2.0**-40
+    x = np.concatenate([mids + eps, mids - eps, -(mids + eps), mids,
+                        rng.standard_normal(50_000) * np.exp(rng.uniform(-20, 12, 50_000))])
+    got = _encode_all(x, 0).view(np.float16).astype(np.float64)
+    ref = to_f16_exact(x)
+    assert _same_bits_or_both_nan(got, ref).all()
+    # The test can fail: the two-step rounding gets these wrong.
+    two_step = x.astype(np.float32).astype(np.float16).astype(np.float64)
+    assert (two_step != ref).sum() > 1000
+
+
+def test_bfloat16_encode_round_to_nearest_even():
+    rng = np.random.default_rng(3)
+    bf = np.unique(bf16_bits_to_f64(np.arange(0, 0x7F80, 7, dtype=np.uint16)))
+    mids = (bf[:-1] + bf[1:]) / 2
+    x32 = np.concatenate([mids.astype(np.float32),
+                          np.nextafter(mids.astype(np.float32), np.float32(np.inf)),
+                          np.nextafter(mids.astype(np.float32), np.float32(-np.inf)),
+                          (rng.standard_normal(100_000)
+                           * np.exp(rng.uniform(-80, 80, 100_000))).astype(np.float32),
+                          np.array([np.inf, -np.inf, 3.3895e38, -3.4e38, 1e-40, -0.0],
+                                   np.float32)])
+    got = _encode_all(x32, 2)
+    assert (got == f64_to_bf16_bits(x32.astype(np.float64))).all()
+    x64 = np.concatenate([mids * (1 + 2.0**-40), mids * (1 - 2.0**-40)])
+    assert (_encode_all(x64, 2) == f64_to_bf16_bits(x64)).all()
+    nan_bits = _encode_all(np.array([np.nan, -np.nan], np.float32), 2)
+    assert np.isnan(bf16_bits_to_f64(nan_bits)).all()
+
+
+# --------------------------------------------------------------------------- the operation
+def _problem(rng, B, Ci, Co, H, W, k, stride=1, padding=0, dilation=1, groups=1,
+             full=True, gamma=True, c_kind="array", dtype=np.float64):
+    kh, kw = (k, k) if np.isscalar(k) else k
+    sh, sw = (stride, stride) if np.isscalar(stride) else stride
+    ph, pw = (padding, padding) if np.isscalar(padding) else padding
+    dh, dw = (dilation, dilation) if np.isscalar(dilation) else dilation
+    Ho = (H + 2 * ph - dh * (kh - 1) - 1) // sh + 1
+    Wo = (W + 2 * pw - dw * (kw - 1) - 1) // sw + 1
+    out = rng.standard_normal((B, Co, Ho, Wo, Co, Ho, Wo) if full
+                              else (B, Co, Ho, Wo, Ho, Wo)).astype(dtype)
+    g = (rng.standard_normal((B, Ci, H, W, Ci, H, W) if full else (B, Ci, H, W, H, W))
+         .astype(dtype) if gamma else None)
+    mu = rng.standard_normal((B, Ci, H, W)).astype(dtype)
+    c = {"array": rng.standard_normal(Co).astype(dtype), "scalar": 0.75,
+         "0d": np.array(1.25, dtype)}[c_kind]
+    kwargs = dict(stride=stride, padding=padding, dilation=dilation, groups=groups)
+    return out, g, mu, c, (kh, kw), kwargs
+
+
+CASES = {
+    "seed": dict(B=2, Ci=3, Co=3, H=5, W=5, k=3),
+    "stride-pad": dict(B=1, Ci=2, Co=2, H=6, W=5, k=3, stride=2, padding=1),
+    "dilation-groups": dict(B=1, Ci=4, Co=6, H=6, W=7, k=(2, 3), dilation=(2, 1),
+                            padding=(1, 2), groups=2),
+    "diag-no-gamma": dict(B=2, Ci=2, Co=4, H=5, W=4, k=(3, 2), stride=(1, 2), full=False,
+                          gamma=False, c_kind="scalar"),
+    "depthwise-0d-c": dict(B=1, Ci=3, Co=3, H=5, W=5, k=3, padding=2, groups=3, full=False,
+                           c_kind="0d"),
+    "kernel-larger-than-input": dict(B=1, Ci=1, Co=2, H=2, W=3, k=3, padding=(2, 1)),
+    # five channels per group: four at a time, then one (the kernel's two paths)
+    "five-channels": dict(B=1, Ci=5, Co=2, H=5, W=6, k=3, padding=1),
+    "five-channels-no-gamma": dict(B=1, Ci=10, Co=4, H=4, W=5, k=2, groups=2, gamma=False,
+                                   full=False),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_matches_literal_loops_float64(case):
+    out, g, mu, c, k, kw = _problem(np.random.default_rng(4), **CASES[case])
+    ref = op_slow(out, g, mu, c, k, **kw)
+    got = convcov.accumulate(out.copy(), g, mu, c, k, backend="numba", **kw)
+    np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-12)
+
+
+def test_patch_moment_matches_reference():
+    _, g, mu, _, k, kw = _problem(np.random.default_rng(5), **CASES["dilation-groups"])
+    S = convcov.patch_moment(g, mu, k, backend="numba", **kw)
+    ref = convcov.patch_moment(g, mu, k, backend="numpy", **kw)
+    assert S.dtype == np.float64 and S.shape == ref.shape
+    np.testing.assert_allclose(S, ref, rtol=1e-12, atol=1e-12)
+
+
+def _within_one_step(got, exact, to_exact, mant_bits, min_exp):
+    """|got - round(exact)| <= one step of the 16-bit format there, element-wise."""
+    got = np.asarray(got, np.float64)
+    ref = to_exact(exact)
+    _, e = np.frexp(np.maximum(np.abs(got), np.abs(ref)))
+    step = np.ldexp(1.0, np.maximum(e - mant_bits, min_exp))
+    return np.abs(got - ref) <= step
+
+
+@pytest.mark.parametrize("case", ["seed", "stride-pad", "dilation-groups", "five-channels",
+                                  "five-channels-no-gamma"])
+def test_float16_everywhere_rounded_once_from_float32_sums(case):
+    rng = np.random.default_rng(6)
+    out, g, mu, c, k, kw = _problem(rng, dtype=np.float16, **CASES[case])
+    exact = op_slow(out, g, mu, c, k, **kw)  # float64 sums of the float16 inputs
+    got = convcov.accumulate(out.copy(), g, mu, c, k, backend="numba", **kw)
+    assert got.dtype == np.float16
+    ref16 = to_f16_exact(exact)
+    # Sums in float32 then one rounding: equal to the exactly rounded value, or one
+    # float16 step away where the float32 sum sits within float32 error of a tie.
+    assert _within_one_step(got, exact, to_f16_exact, 11, -24).all()
+    assert (got.astype(np.float64) == ref16).mean() > 0.97
+
+
+def test_mixed_dtypes_float64_accumulation():
+    rng = np.random.default_rng(7)
+    out, g, mu, c, k, kw = _problem(rng, **CASES["stride-pad"])
+    out16, g32, mu64 = out.astype(np.float16), g.astype(np.float32), mu
+    exact = op_slow(out16, g32, mu64, c.astype(np.float16), k, **kw)
+    got = convcov.accumulate(out16.copy(), g32, mu64, c.astype(np.float16), k,
+                             backend="numba", **kw)
+    # float64 in the mix: float64 sums, one correct rounding into float16.
+    np.testing.assert_array_equal(got.astype(np.float64), to_f16_exact(exact))
+
+
+@pytest.mark.parametrize("case", ["dilation-groups", "five-channels"])
+def test_torch_bfloat16_cpu_tensors_in_place(case):
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(8)
+    out, g, mu, c, k, kw = _problem(rng, **CASES[case])
+
+    def to_bf(a):
+        return torch.from_numpy(np.asarray(a, np.float32)).to(torch.bfloat16)
+
+    def as64(t):
+        return t.to(torch.float64).numpy()
+
+    out_t, g_t, mu_t, c_t = to_bf(out), to_bf(g), to_bf(mu), to_bf(c)
+    exact = op_slow(as64(out_t), as64(g_t), as64(mu_t), as64(c_t), k, **kw)
+    before = out_t.clone()
+    ptr = out_t.data_ptr()
+    res = convcov.accumulate(out_t, g_t, mu_t, c_t, k, backend="numba", **kw)
+    assert res is out_t and out_t.data_ptr() == ptr and out_t.dtype == torch.bfloat16
+    got = as64(out_t)
+    ref = to_bf16_exact(exact)
+    assert _within_one_step(got, exact, to_bf16_exact, 8, -133).all()
+    assert (got == ref).mean() > 0.97
+    # only the channel diagonal changed
+    off = np.ones(out.shape, bool)
+    for c0 in range(out.shape[1]):
+        off[:, c0, :, :, c0] = False
+    assert torch.equal(out_t.view(torch.int16)[torch.from_numpy(off)],
+                       before.view(torch.int16)[torch.from_numpy(off)])
+
+
+def test_off_diagonal_untouched_bitwise():
+    rng = np.random.default_rng(9)
+    out, g, mu, c, k, kw = _problem(rng, dtype=np.float32, **CASES["seed"])
+    out[0, 0, 0, 0, 1, 0, 0] = np.nan  # an off-diagonal NaN must stay exactly as it is
+    before = out.copy()
+    convcov.accumulate(out, g, mu, c, k, backend="numba", **kw)
+    changed = out.view(np.uint32) != before.view(np.uint32)
+    for c0 in range(out.shape[1]):
+        changed[:, c0, :, :, c0] = False
+    assert not changed.any()
+    assert (out[:, 1, :, :, 1] != before[:, 1, :, :, 1]).any()  # the diagonal did change
+
+
+@pytest.mark.parametrize("case", ["dilation-groups", "five-channels"])
+def test_any_strides_including_negative(case):
+    rng = np.random.default_rng(10)
+    out, g, mu, c, k, kw = _problem(rng, dtype=np.float32, **CASES[case])
+    # out: a reversed, permuted-and-back view inside a bigger array
+    big_out = rng.standard_normal((out.shape[0], out.shape[1] + 1) + out.shape[2:] + (2,))
+    big_out = big_out.astype(np.float32)
+    view = big_out[:, :-1, ..., 0][:, ::-1, ::-1]  # negative strides on c0 and i0
+    view[...] = out
+    untouched = big_out[:, -1].copy(), big_out[..., 1].copy()
+    # gamma: a transposed copy viewed back (non-contiguous, same values)
+    g_nc = np.ascontiguousarray(g.transpose(0, 4, 5, 6, 1, 2, 3)).transpose(0, 4, 5, 6, 1, 2, 3)
+    mu_nc = np.asfortranarray(mu[:, :, ::-1])[:, :, ::-1]  # F order, negative H stride
+    c_nc = np.repeat(c[::-1], 2)[::-2]  # stride -2
+    ref = convcov.accumulate(out.copy(), g, mu, c, k, backend="numpy", **kw)
+    convcov.accumulate(view, g_nc, mu_nc, c_nc, k, backend="numba", **kw)
+    np.testing.assert_allclose(view, ref, rtol=2e-5, atol=2e-5)
+    np.testing.assert_array_equal(big_out[:, -1], untouched[0])
+    np.testing.assert_array_equal(big_out[..., 1], untouched[1])
+
+
+@pytest.mark.parametrize("case", ["stride-pad", "five-channels"])
+def test_negative_strides_on_gamma_and_mu_channels(case):
+    rng = np.random.default_rng(11)
+    out, g, mu, c, k, kw = _problem(rng, **CASES[case])
+    g_rev = np.ascontiguousarray(g[:, ::-1, :, :, ::-1])[:, ::-1, :, :, ::-1]
+    mu_rev = np.ascontiguousarray(mu[:, ::-1])[:, ::-1]  # planes stay contiguous
+    assert min(g_rev.strides) < 0 and min(mu_rev.strides) < 0
+    ref = op_slow(out, g, mu, c, k, **kw)
+    got = convcov.accumulate(out.copy(), g_rev, mu_rev, c, k, backend="numba", **kw)
+    np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-12)
+
+
+def test_non_finite_values_propagate_like_the_reference():
+    rng = np.random.default_rng(12)
+    out, g, mu, c, k, kw = _problem(rng, **CASES["stride-pad"])
+    mu[0, 0, 0, 0] = np.inf  # next to the padding: must not become Inf * 0 = NaN there
+    mu[0, 1, 3, 2] = -np.inf
+    g[0, 1, 2, 2, 1, 2, 3] = np.nan
+    g[0, 0, 1, 1, 1, 1, 1] = np.inf  # off the channel diagonal: never read
+    ref = convcov.accumulate(out.copy(), g, mu, c, k, backend="numpy", **kw)
+    got = convcov.accumulate(out.copy(), g, mu, c, k, backend="numba", **kw)
+    assert np.isnan(ref).any() and np.isinf(ref).any() and np.isfinite(ref).any()
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(ref))
+    np.testing.assert_array_equal(np.isposinf(got), np.isposinf(ref))
+    np.testing.assert_array_equal(np.isneginf(got), np.isneginf(ref))
+    fin = np.isfinite(ref)
+    np.testing.assert_allclose(got[fin], ref[fin], rtol=1e-12, atol=1e-12)
+
+
+def test_scalar_c_beyond_float32_does_not_make_nan():
+    out = np.zeros((1, 2, 2, 2, 2, 2), np.float32)
+    mu = np.zeros((1, 1, 4, 4), np.float32)
+    convcov.accumulate(out, None, mu, 1e39, 3, backend="numba")
+    assert (out == 0).all()  # S = 0; 1e39 as a float32 would be Inf and Inf * 0 NaN
+    mu[:] = 1
+    convcov.accumulate(out, None, mu, 1e-39, 3, backend="numba")
+    assert np.isfinite(out).all() and (out > 0).all()
+
+
+def test_one_compiled_kernel_per_accumulation_dtype():
+    """Shapes, layouts, strides and input dtypes must not trigger new compiles."""
+    rng = np.random.default_rng(13)
+    for name, dt in [("seed", np.float32), ("stride-pad", np.float16),
+                     ("diag-no-gamma", np.float32), ("dilation-groups", np.float64),
+                     ("depthwise-0d-c", np.float64)]:
+        out, g, mu, c, k, kw = _problem(rng, dtype=dt, **CASES[name])
+        convcov.accumulate(out, g, mu, c, k, backend="numba", **kw)
+        convcov.accumulate(out.astype(np.float32), None if g is None else g[:, ::-1],
+                           mu.astype(np.float16), c, k, backend="numba", **kw)
+    assert len(nbb._parallel.signatures) <= 2
+
+
+# --------------------------------------------------------------------------- threads
+def test_concurrent_calls_from_threads_are_correct():
+    rng = np.random.default_rng(14)
+    out, g, mu, c, k, kw = _problem(rng, B=2, Ci=4, Co=4, H=8, W=8, k=3, padding=1,
+                                    dtype=np.float32)
+    expected = convcov.accumulate(out.copy(), g, mu, c, k, backend="numba", **kw)
+    n_threads, rounds = 6, 5
+    outs = [[out.copy() for _ in range(rounds)] for _ in range(n_threads)]
+    barrier = threading.Barrier(n_threads)
+    errors = []
+
+    def work(i):
+        try:
+            barrier.wait()
+            for r in range(rounds):
+                convcov.accumulate(outs[i][r], g, mu, c, k, backend="numba", **kw)
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(n_threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    for row in outs:
+        for o in row:
+            np.testing.assert_array_equal(o, expected)  # same order of sums: bit-identical
+
+
+_SUBPROCESS = textwrap.dedent("""
+    import os, sys, threading, numpy as np, convcov
+    rng = np.random.default_rng(0)
+    mu = rng.standard_normal((2, 3, 7, 7)).astype(np.float32)
+    g = rng.standard_normal((2, 3, 7, 7, 7, 7)).astype(np.float32)
+    def call():
+        out = np.zeros((2, 3, 5, 5, 5, 5), np.float32)
+        return convcov.accumulate(out, g, mu, 0.5, 3, backend="numba")
+    ref = convcov.accumulate(np.zeros((2, 3, 5, 5, 5, 5)), g, mu, 0.5, 3, backend="numpy")
+    """)
+
+
+def _run_python(code, env_extra):
+    env = dict(os.environ, **env_extra)
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=600, check=False)
+
+
+def test_concurrent_calls_on_workqueue_layer_are_serialised():
+    """Numba's workqueue layer aborts the process on concurrent use; the backend must
+    notice that layer and serialise its own calls."""
+    code = _SUBPROCESS + textwrap.dedent("""
+        import numba
+        res = [None] * 8
+        def work(i):
+            res[i] = [call() for _ in range(4)]
+        ts = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+        [t.start() for t in ts]; [t.join() for t in ts]
+        assert numba.threading_layer() == "workqueue", numba.threading_layer()
+        for r in res:
+            for o in r:
+                np.testing.assert_allclose(o, ref, rtol=1e-5, atol=1e-5)
+        print("ok")
+        """)
+    r = _run_python(code, {"NUMBA_THREADING_LAYER": "workqueue"})
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_call_in_forked_child_after_parent_used_it():
+    """GNU OpenMP kills a forked child that starts a parallel region; the backend runs
+    a serial compile there instead."""
+    code = _SUBPROCESS + textwrap.dedent("""
+        np.testing.assert_allclose(call(), ref, rtol=1e-5, atol=1e-5)  # parent: parallel
+        pid = os.fork()
+        if pid == 0:
+            ok = np.allclose(call(), ref, rtol=1e-5, atol=1e-5)
+            os._exit(0 if ok else 3)
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+        print("ok")
+        """)
+    r = _run_python(code, {})
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr

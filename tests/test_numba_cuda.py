@@ -1,0 +1,321 @@
+"""The ``numba_cuda`` backend: what the shared property test does not reach.
+
+Without a GPU (CI) the kernels run under Numba's CUDA simulator on numpy and torch CPU
+arrays (tests/conftest.py switches it on): both kernel paths (one launch with T in shared
+memory; two launches through T in global memory) are forced on the same small problems,
+with every layout, ``c`` form, dtype (bfloat16 through torch) and conv parameter, the
+channel chunking of the two-launch kernels, padding next to Inf, and a float64 sum that
+must reach bfloat16 with one rounding. With a GPU the same checks run on torch CUDA
+tensors, plus what only a device can show: CuPy arrays and numba device arrays, a launch
+on a non-default torch stream, an ``out`` of more than 2**31 elements, several threads at
+once. Tests that need what is missing skip and say why.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+import convcov
+from convcov import _registry
+
+from kinds import HAS_TORCH, SIM, has_cupy_gpu, make, op_loops, to_f64, tolerance, torch_cuda
+
+BACKEND = _registry.get("numba_cuda")
+REASON = BACKEND.unavailable_reason()
+available = pytest.mark.skipif(REASON is not None, reason=f"numba_cuda: {REASON}")
+ON_GPU = REASON is None and BACKEND.device == "cuda"
+gpu = pytest.mark.skipif(not (ON_GPU and torch_cuda()), reason=(
+    "needs a CUDA device and torch with CUDA (this run: "
+    + ("the CUDA simulator" if SIM else f"{REASON}" if REASON else "no torch CUDA") + ")"))
+
+#: Array kind the backend computes on here: torch CUDA tensors on a GPU, numpy under the
+#: simulator (torch CPU tensors there too, in the dtype tests: bfloat16 comes from torch).
+KINDS = (["torch_cuda"] if torch_cuda() else []) if ON_GPU else ["numpy"]
+
+
+def test_probe_reason_is_clear():
+    """Available, or unavailable with the cause: never a crash (CI may lack numba-cuda)."""
+    rows = {r.name: r for r in convcov.backends()}
+    row = rows["numba_cuda"]
+    assert row.device == ("cpu" if SIM else "cuda")
+    assert row.available == (REASON is None)
+    if REASON is not None:
+        assert row.reason == REASON and ("numba-cuda" in REASON or "CUDA device" in REASON)
+
+
+def test_never_chosen_automatically_for_host_arrays():
+    """Under the simulator the backend takes host arrays, but only when asked by name."""
+    out = np.zeros((1, 1, 1, 1, 1, 1, 1))
+    b = _registry.select(None, "cpu", frozenset({"float64"}))
+    assert b.name != "numba_cuda"
+    convcov.accumulate(out, None, np.ones((1, 1, 1, 1)), 1.0, 1)  # automatic choice works
+
+
+def test_import_of_convcov_does_not_import_numba_cuda():
+    code = "import sys, convcov; assert 'numba.cuda' not in sys.modules, 'imported numba.cuda'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ------------------------------------------------------------------ helpers
+@pytest.fixture(params=["fused", "two"])
+def path(request, monkeypatch):
+    """Force one kernel path: T in shared memory (one launch) or in global memory (two)."""
+    from convcov.backends import numba_cuda as mod
+
+    monkeypatch.setattr(mod, "FUSED_MAX_TERMS", 1 << 62 if request.param == "fused" else -1)
+    return request.param
+
+
+def _problem(rng, B, Ci, Co, H, W, k, full_out=True, gamma="full", G=1, stride=(1, 1),
+             padding=(0, 0), dilation=(1, 1)):
+    kh, kw = k
+    Ho = (H + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
+    Wo = (W + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
+    out = rng.standard_normal((B, Co, Ho, Wo, Co, Ho, Wo) if full_out else (B, Co, Ho, Wo, Ho, Wo))
+    g = {"full": lambda: rng.random((B, Ci, H, W, Ci, H, W)),
+         "diag": lambda: rng.random((B, Ci, H, W, H, W)), None: lambda: None}[gamma]()
+    conv = dict(stride=stride, padding=padding, dilation=dilation, groups=G)
+    return out, g, rng.standard_normal((B, Ci, H, W)), rng.random(Co) + 0.5, k, conv
+
+
+def _check(out0, gamma, mu, c, k, conv, kind, dtypes, layouts=("contiguous",) * 3,
+           c_form="1d", seed=0):
+    """Run numba_cuda on arrays of ``kind``; compare with the float64 literal loops."""
+    rng = np.random.default_rng(seed)
+    dt_out, dt_g, dt_mu, dt_c = dtypes
+    out = make(out0, kind, dt_out, layouts[0], rng)
+    g = None if gamma is None else make(gamma, kind, dt_g, layouts[1], rng)
+    m = make(mu, kind, dt_mu, layouts[2], rng)
+    cc = {"number": float(c[0]), "0d": lambda: make(np.array(c[0]), kind, dt_c),
+          "1d": lambda: make(c, kind, dt_c)}[c_form]
+    cc = cc if c_form == "number" else cc()
+    # Copies: to_f64 of a float64 torch CPU tensor is a view of it.
+    before, g64, m64 = to_f64(out).copy(), None if g is None else to_f64(g), to_f64(m)
+    c64 = (np.full(out0.shape[1], cc) if c_form == "number"
+           else np.broadcast_to(to_f64(cc), (out0.shape[1],)).copy())
+    assert convcov.accumulate(out, g, m, cc, k, backend="numba_cuda", **conv) is out
+    got = to_f64(out)
+    loops = dict(stride=conv["stride"], padding=conv["padding"], dilation=conv["dilation"],
+                 groups=conv["groups"])
+    ref = op_loops(before, g64, m64, c64, *k, **loops)
+    bound = op_loops(np.abs(before), None if g64 is None else np.abs(g64), np.abs(m64),
+                     np.abs(c64), *k, **loops)
+    used = [dt_out, dt_mu] + ([dt_g] if g is not None else []) + (
+        [dt_c] if c_form != "number" else [])
+    acc = "float64" if "float64" in used else "float32"
+    tol = tolerance(bound, 2 * (mu.shape[1] // conv["groups"]) * k[0] * k[1], acc, dt_out)
+    err = np.abs(got - ref)
+    assert (err <= tol).all(), f"worst error {err.max():.3g}, tolerance {tol.ravel()[err.argmax()]:.3g}"
+    if out0.ndim == 7:  # off the channel-diagonal: bit-identical
+        off = np.ones(out0.shape, bool)
+        for c0 in range(out0.shape[1]):
+            off[:, c0, :, :, c0] = False
+        np.testing.assert_array_equal(got[off], before[off])
+
+
+CONVS = {  # name: (B, Ci, Co, H, W, k, G, stride, padding, dilation)
+    "seed": (1, 2, 2, 4, 4, (2, 2), 1, (1, 1), (0, 0), (1, 1)),
+    "padded": (1, 2, 3, 4, 5, (3, 3), 1, (1, 1), (2, 1), (1, 1)),
+    "strided-dilated-groups": (2, 4, 2, 5, 6, (2, 3), 2, (2, 1), (1, 0), (1, 2)),
+    "eight-channels": (1, 9, 9, 3, 3, (2, 1), 1, (1, 1), (0, 0), (1, 1)),  # unrolled loops
+    "seventeen-out-channels": (1, 2, 17, 3, 3, (2, 2), 1, (1, 1), (0, 0), (1, 1)),
+}
+
+
+# ------------------------------------------------------------------ both paths, here
+@available
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("conv", list(CONVS))
+@pytest.mark.parametrize("form", [("full", True, "1d"), ("diag", False, "number"),
+                                  (None, True, "0d")])
+def test_matches_loops(path, kind, conv, form):
+    B, Ci, Co, H, W, k, G, s, p, d = CONVS[conv]
+    gamma, full_out, c_form = form
+    out, g, mu, c, k, cv = _problem(np.random.default_rng(1), B, Ci, Co, H, W, k, full_out,
+                                    gamma, G, s, p, d)
+    _check(out, g, mu, c, k, cv, kind, ("float32",) * 4, c_form=c_form)
+
+
+@available
+@pytest.mark.parametrize("dtypes", [("float16",) * 4, ("float64",) * 4,
+                                    ("float16", "float32", "float64", "float16"),
+                                    ("bfloat16",) * 4, ("bfloat16", "float16", "float32", "float64")])
+def test_dtypes(path, dtypes):
+    kind = "torch_cuda" if ON_GPU else "torch"
+    if "bfloat16" in dtypes and not HAS_TORCH:
+        pytest.skip("bfloat16 arrays come from torch, which is not installed")
+    if ON_GPU and not torch_cuda():
+        pytest.skip("torch with CUDA is not installed")
+    if not HAS_TORCH:
+        kind = "numpy"
+    out, g, mu, c, k, cv = _problem(np.random.default_rng(2), 1, 2, 2, 4, 4, (2, 2))
+    _check(out, g, mu, c, k, cv, kind, dtypes)
+
+
+@available
+@pytest.mark.parametrize("layouts", [("permuted", "strided", "permuted"),
+                                     ("strided", "permuted", "strided")])
+def test_views(path, layouts):
+    out, g, mu, c, k, cv = _problem(np.random.default_rng(3), 2, 2, 3, 4, 5, (2, 2))
+    for kind in KINDS:
+        _check(out, g, mu, c, k, cv, kind, ("float32",) * 4, layouts)
+
+
+@available
+@pytest.mark.skipif(ON_GPU, reason="negative strides: numpy views, host (simulator) only")
+def test_negative_strides(path):
+    out, g, mu, c, k, cv = _problem(np.random.default_rng(4), 1, 2, 2, 4, 4, (2, 2))
+    out_v, mu_v, g_v = out[:, ::-1], mu[..., ::-1], g[:, :, ::-1, :, :, ::-1]
+    ref = convcov.accumulate(out_v.copy(), g_v, mu_v, c, k, backend="numpy")
+    convcov.accumulate(out_v, g_v.astype(np.float32), mu_v.astype(np.float32), c, k,
+                       backend="numba_cuda")
+    np.testing.assert_allclose(out_v, ref, rtol=1e-5, atol=1e-5)
+
+
+@available
+def test_channel_chunks(monkeypatch):
+    """More channels than one shared-memory stage holds: the two-launch kernels go in chunks."""
+    from convcov.backends import numba_cuda as mod
+
+    monkeypatch.setattr(mod, "FUSED_MAX_TERMS", -1)
+    monkeypatch.setattr(mod, "STAGE_BYTES", 8)  # one channel (T kernel: 2 rows) per stage
+    out, g, mu, c, k, cv = _problem(np.random.default_rng(5), 1, 3, 3, 3, 3, (2, 2))
+    _check(out, g, mu, c, k, cv, KINDS[0], ("float32",) * 4)
+
+
+@available
+def test_padding_next_to_inf(path):
+    """A term with a position in the padding is absent, not 0 * Inf = NaN."""
+    mu = np.random.default_rng(6).random((1, 1, 3, 3))
+    mu[0, 0, 0, 0] = np.inf
+    out = np.zeros((1, 1, 3, 3, 3, 3))
+    ref = convcov.accumulate(out.copy(), None, mu, 1.0, 3, padding=1, backend="numpy")
+    kind = KINDS[0]
+    got = make(out, kind, "float64")
+    convcov.accumulate(got, None, make(mu, kind, "float64"), 1.0, 3, padding=1,
+                       backend="numba_cuda")
+    np.testing.assert_array_equal(to_f64(got), ref)  # Inf where it belongs, no NaN
+
+
+@available
+def test_float64_sum_rounds_once_into_bfloat16(path):
+    """out (bf16) = 1 + (2**-8 + 2**-30): above the bf16 half-way point, so 1 + 2**-7.
+    Rounding through float32 first would lose 2**-30, tie, and give 1 (even)."""
+    if not HAS_TORCH:
+        pytest.skip("bfloat16 arrays come from torch, which is not installed")
+    import torch
+
+    dev = "cuda" if ON_GPU else "cpu"
+    out = torch.ones((1, 1, 1, 1, 1, 1), dtype=torch.bfloat16, device=dev)
+    gamma = torch.full((1, 1, 1, 1, 1, 1), 2.0**-8 + 2.0**-30, dtype=torch.float64, device=dev)
+    mu = torch.zeros((1, 1, 1, 1), dtype=torch.float64, device=dev)
+    convcov.accumulate(out, gamma, mu, 1.0, 1, backend="numba_cuda")
+    assert out.item() == 1 + 2.0**-7
+
+
+# ------------------------------------------------------------------ a real GPU only
+@gpu
+def test_cupy_and_numba_device_arrays(path):
+    out, g, mu, c, k, cv = _problem(np.random.default_rng(7), 1, 2, 2, 4, 4, (2, 2))
+    kinds = ["numba"] + (["cupy"] if has_cupy_gpu() else [])
+    for kind in kinds:
+        _check(out, g, mu, c, k, cv, kind, ("float32",) * 4)
+
+
+@gpu
+def test_requires_grad_tensors():
+    import torch
+
+    mu = torch.rand(1, 2, 4, 4, device="cuda", requires_grad=True)
+    out = torch.zeros(1, 2, 3, 3, 3, 3, device="cuda")
+    convcov.accumulate(out, None, mu, 1.0, 2, backend="numba_cuda")
+    ref = convcov.accumulate(np.zeros((1, 2, 3, 3, 3, 3)), None, to_f64(mu), 1.0, 2,
+                             backend="numpy")
+    np.testing.assert_allclose(to_f64(out), ref, rtol=1e-5)
+
+
+@gpu
+def test_runs_on_the_current_torch_stream(path):
+    """mu is written on a side stream after a long sleep; the call, made on that stream,
+    must see the new values. On any other stream it would read the old ones (zeros)."""
+    import torch
+
+    rng = np.random.default_rng(8)
+    mu_true = torch.tensor(rng.random((1, 2, 5, 5)), dtype=torch.float32, device="cuda")
+    mu = torch.zeros_like(mu_true)
+    out = torch.zeros((1, 2, 4, 4, 4, 4), device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time before mu is written
+        mu.copy_(mu_true)
+        convcov.accumulate(out, None, mu, 1.0, 2, backend="numba_cuda")
+    side.synchronize()
+    ref = convcov.accumulate(np.zeros((1, 2, 4, 4, 4, 4)), None, to_f64(mu_true), 1.0, 2,
+                             backend="numpy")
+    np.testing.assert_allclose(to_f64(out), ref, rtol=1e-5)
+
+
+@gpu
+def test_more_than_2_31_elements():
+    """out (float32, diagonal layout) of 2.6e9 elements: 64-bit indexing, checked at
+    sampled positions past 2**31 against S computed from mu directly (gamma None)."""
+    import torch
+
+    free, _ = torch.cuda.mem_get_info()
+    H, Co, k = 162, 4, 3
+    Ho = H - k + 1
+    need = Co * Ho**4 * 4 + (H * H) ** 2 * 4 + 2**30
+    if free < need:
+        pytest.skip(f"needs {need / 2**30:.0f} GiB of free GPU memory, {free / 2**30:.0f} here")
+    assert Co * Ho**4 > 2**31
+    rng = np.random.default_rng(9)
+    mu64 = rng.random((1, 1, H, H))
+    out = torch.zeros((1, Co, Ho, Ho, Ho, Ho), dtype=torch.float32, device="cuda")
+    c = torch.tensor([1.0, 2.0, 3.0, 4.0], device="cuda")
+    convcov.accumulate(out, None, torch.tensor(mu64, dtype=torch.float32, device="cuda"), c, k,
+                       backend="numba_cuda")
+    m32 = mu64.astype(np.float32).astype(np.float64)[0, 0]
+    for c0, i0, j0, i1, j1 in [(3, Ho - 1, Ho - 1, Ho - 1, Ho - 1), (3, 5, 7, Ho - 2, 3),
+                               (2, Ho - 1, 0, 0, Ho - 1), (0, 0, 0, 0, 0)]:
+        s = sum(m32[i0 + ii, j0 + ji] * m32[i1 + ii, j1 + ji]
+                for ii in range(k) for ji in range(k))
+        got = out[0, c0, i0, j0, i1, j1].item()
+        assert abs(got - (c0 + 1) * s) <= 1e-5 * abs(s), (c0, i0, j0, i1, j1, got, s)
+    del out
+
+
+@gpu
+def test_threads_at_once(path):
+    import torch
+
+    rng = np.random.default_rng(10)
+    cases = [_problem(rng, 1, 2, 2, 5, 5, (2, 2)) for _ in range(4)]
+    refs, results, errors = [], [None] * len(cases), []
+    for out, g, mu, c, k, cv in cases:
+        refs.append(convcov.accumulate(out.copy(), g, mu, c, k, backend="numpy"))
+
+    def work(i):
+        try:
+            out, g, mu, c, k, cv = cases[i]
+            t = [torch.tensor(x, dtype=torch.float32, device="cuda") for x in (out, g, mu, c)]
+            for _ in range(20):  # out accumulates 20 times
+                convcov.accumulate(t[0], t[1], t[2], t[3], k, backend="numba_cuda")
+            torch.cuda.current_stream().synchronize()
+            results[i] = to_f64(t[0])
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(cases))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for (out, *_), ref, got in zip(cases, refs, results):
+        np.testing.assert_allclose(got, out + 20 * (ref - out), rtol=1e-4, atol=1e-4)
