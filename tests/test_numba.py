@@ -412,6 +412,24 @@ def test_non_finite_values_propagate_like_the_reference():
     np.testing.assert_allclose(got[fin], ref[fin], rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_several_chunks_and_prefetching(monkeypatch, dtype):
+    """Small problems run as one chunk without prefetching; force both code paths."""
+    monkeypatch.setattr(nbb, "CHUNK_BYTES", 1)  # one (b, g) pair per chunk
+    monkeypatch.setattr(nbb, "PREFETCH_FROM_BYTES", 0)
+    monkeypatch.setattr(nbb, "PREFETCH_BYTES", 64)
+    rng = np.random.default_rng(15)
+    case = dict(B=3, Ci=10, Co=4, H=6, W=5, k=3, stride=(2, 1), padding=1, groups=2)
+    out, g, mu, c, k, kw = _problem(rng, dtype=dtype, **case)
+    g = np.ascontiguousarray(g[:, ::-1, :, :, ::-1])[:, ::-1, :, :, ::-1]  # negative strides
+    exact = op_slow(out, g, mu, c, k, **kw)
+    got = convcov.accumulate(out.copy(), g, mu, c, k, backend="numba", **kw)
+    if dtype == np.float16:
+        assert _within_one_step(got, exact, to_f16_exact, 11, -24).all()
+    else:
+        np.testing.assert_allclose(got, exact, rtol=1e-5, atol=1e-4)
+
+
 def test_scalar_c_beyond_float32_does_not_make_nan():
     out = np.zeros((1, 2, 2, 2, 2, 2), np.float32)
     mu = np.zeros((1, 1, 4, 4), np.float32)

@@ -100,6 +100,32 @@ def _from_bits(typingctx, x):
     return types.float32(types.int64), codegen
 
 
+@intrinsic
+def _data(typingctx, arr):
+    """Typed pointer to an array's first element. The kernel's own buffers are indexed
+    through pointers too: a slice costs a reference count and bounds arithmetic, and an
+    index into an array costs a negative-index check that stops LLVM from vectorising."""
+    if not isinstance(arr, types.Array):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return context.make_array(sig.args[0])(context, builder, args[0]).data
+
+    return types.CPointer(arr.dtype)(arr), codegen
+
+
+@intrinsic
+def _offset(typingctx, ptr, k):
+    """``ptr + k`` elements."""
+    if not isinstance(ptr, types.CPointer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.gep(args[0], [args[1]])
+
+    return ptr(ptr, k), codegen
+
+
 def _prefetcher(rw):
     @intrinsic
     def prefetch(typingctx, addr):
@@ -305,17 +331,14 @@ def _plane_adder(dec):
     as an argument would make the kernel uncacheable)."""
 
     def add_plane(dst, ptr, off, sx, sy, H, W, scale):
-        """``dst[x*W + y] += scale * dec(ptr[off + x*sx + y*sy])`` over an H x W plane.
-
-        ``dst`` is a slice, indexed from 0 by loop counters: Numba's negative-index
-        wraparound check on a computed index would stop LLVM from vectorising."""
+        """``dst[x*W + y] += scale * dec(ptr[off + x*sx + y*sy])`` over an H x W plane."""
         if sy == 1 and sx == W:
             src = off
             for e in range(H * W):
                 dst[e] += scale * dec(ptr[src + e])
         else:
             for x in range(H):
-                d = dst[x * W:(x + 1) * W]
+                d = _offset(dst, x * W)
                 src = off + x * sx
                 if sy == 1:
                     for y in range(W):
@@ -342,7 +365,7 @@ def _pair_adder(dec):
                 dst[e] += dec(gp[goff + e]) + mu0 * dec(mp[moff + e])
         else:
             for x in range(H):
-                d = dst[x * W:(x + 1) * W]
+                d = _offset(dst, x * W)
                 ga, ma = goff + x * gsx, moff + x * msx
                 for y in range(W):
                     d[y] += dec(gp[ga + y * gsy]) + mu0 * dec(mp[ma + y * msy])
@@ -435,7 +458,7 @@ def _row_adder(dec, enc):
                 ptr[off + e] = enc(dec(ptr[off + e]) + cc * srow[e])
             return
         for i1 in range(Ho):
-            s = srow[i1 * Wo:(i1 + 1) * Wo]
+            s = _offset(srow, i1 * Wo)
             base = off + i1 * si
             if sj == 1:
                 for j1 in range(Wo):
@@ -538,9 +561,9 @@ def _kernel(prm, c_value, M):
             quads = ((not with_gamma or (g_code == m_code and g_y1 == 1 and g_x1 == W))
                      and m_y == 1 and m_x == W)
             for y0 in range(W):
-                row = (task * W + y0) * HW
-                dst = M[row:row + HW]
-                dst[:] = 0
+                dst = _offset(_data(M), (task * W + y0) * HW)  # the row M[t, x0, y0]
+                for e in range(HW):
+                    dst[e] = 0
                 g_at = b * g_b + x0 * g_x0 + y0 * g_y0  # + ci * g_c: gamma[b, ci, x0, y0, (ci)]
                 m_at = b * m_b  # + ci * m_c: mu[b, ci]
                 m_xy = x0 * m_x + y0 * m_y
@@ -592,10 +615,14 @@ def _kernel(prm, c_value, M):
             # sh * W would overlap, and the window is added row by row instead.
             flat = sw == 1 and sh * W >= Wo
             P = sh * W if flat else Wo
-            box = np.empty(Ho * P, M.dtype)
-            srow = box[:HoWo] if P == Wo else np.empty(HoWo, M.dtype)
+            box_buf = np.empty(Ho * P, M.dtype)
+            srow_buf = np.empty(HoWo, M.dtype)
+            Mp = _data(M)
+            box = _data(box_buf)
+            srow = box if P == Wo else _data(srow_buf)
             for j0 in range(Wo):
-                box[:] = 0
+                for e in range(Ho * P):
+                    box[e] = 0
                 for ii in range(kh):
                     x0 = i0 * sh + ii * dh - ph
                     if x0 < 0 or x0 >= H:
@@ -614,19 +641,20 @@ def _kernel(prm, c_value, M):
                         at = ((t * H + x0) * W + y0) * HW + (ii * dh - ph) * W + ji * dw - pw
                         if flat and j1_lo == 0 and j1_hi == Wo:
                             run = (i1_hi - i1_lo - 1) * P + Wo
-                            dst = box[i1_lo * P:i1_lo * P + run]
-                            src = M[at + i1_lo * P:at + i1_lo * P + run]
+                            dst = _offset(box, i1_lo * P)
+                            src = _offset(Mp, at + i1_lo * P)
                             for e in range(run):
                                 dst[e] += src[e]
                         else:  # a window cut by the padding: row by row
                             for i1 in range(i1_lo, i1_hi):
-                                dst = box[i1 * P + j1_lo:i1 * P + j1_hi]
-                                src = M[at + i1 * sh * W + j1_lo * sw:]
+                                dst = _offset(box, i1 * P + j1_lo)
+                                src = _offset(Mp, at + i1 * sh * W + j1_lo * sw)
                                 for j1 in range(j1_hi - j1_lo):
                                     dst[j1] += src[j1 * sw]
                 if P != Wo:
                     for i1 in range(Ho):
-                        srow[i1 * Wo:(i1 + 1) * Wo] = box[i1 * P:i1 * P + Wo]
+                        for j1 in range(Wo):
+                            srow[i1 * Wo + j1] = box[i1 * P + j1]
                 for c0 in range(g * Cog, (g + 1) * Cog):
                     if PF_OUT > 0:  # ask for the out row PF_OUT rows ahead, in (j0, c0) order
                         ahead = j0 * Cog + c0 - g * Cog + PF_OUT
@@ -639,6 +667,9 @@ def _kernel(prm, c_value, M):
                                _load(c_addr, c_code, c0 * c_s), M)
                     off = b * o_b + c0 * o_c + i0 * o_i0 + j0 * o_j0
                     _add_row_any(o_addr, o_code, off, o_i1, o_j1, Ho, Wo, srow, cc)
+            # Raw pointers do not hold a reference: use the buffers last, here, so that
+            # Numba cannot free them while the pointers are in use.
+            box_buf[0] = srow_buf[0] = 0
 
 
 def _renamed(f, name):
