@@ -163,7 +163,9 @@ def normalise(out, gamma, mu, c, kernel_size, stride, padding, dilation, groups)
     out_i = _arrays.info(out, "out")
     gamma_i = None if gamma is None else _arrays.info(gamma, "gamma")
     c_i = None
-    if isinstance(c, (bool, np.bool_)) or not isinstance(c, numbers.Number):
+    if type(c) is float or type(c) is int:  # the common case, before the slow ABC checks
+        pass
+    elif isinstance(c, (bool, np.bool_)) or not isinstance(c, numbers.Number):
         if isinstance(c, (bool, np.bool_)):
             raise TypeError(f"c: expected a float, a 0-d or a 1-d float array; got {c!r}")
         c_i = _arrays.info(c, "c")
@@ -220,11 +222,14 @@ def normalise(out, gamma, mu, c, kernel_size, stride, padding, dilation, groups)
     # Memory: out is written in place, so it must be writable and alias no input.
     if out_i.readonly:
         raise ValueError("out: is read-only; accumulate writes into it in place")
-    for n, a, x in (("gamma", gamma_i, gamma), ("mu", mu_i, mu), ("c", c_i, c)):
-        if a is not None and _arrays.overlaps(out_i, out, a, x):
-            raise ValueError(f"out: shares memory with {n}; pass separate arrays")
+    for n, x in _arrays.overlapping(out_i, out, (("gamma", gamma_i, gamma), ("mu", mu_i, mu),
+                                                 ("c", c_i, c))):
+        raise ValueError(f"out: shares memory with {n}; pass separate arrays")
 
-    acc = "float64" if any(a.dtype == "float64" for _, a in arrays) else "float32"
+    acc = "float32"
+    for _, a in arrays:
+        if a.dtype == "float64":
+            acc = "float64"
     host = device_type == "cpu"
     out_arr, gamma_arr, mu_arr, c_arr = out, gamma, mu, c
     if host:
@@ -560,9 +565,11 @@ def patch_moment_vjp(grad_S, mu, kernel_size, *, grad_gamma=None, grad_mu=None, 
     for n, a, x in written:
         if a.readonly:
             raise ValueError(f"{n}: is read-only; patch_moment_vjp writes into it")
-        for m, y in (("grad_S", grad_S), ("mu", mu), ("grad_gamma", grad_gamma)):
-            if m != n and y is not None and _arrays.overlaps(a, x, infos[m], y):
-                raise ValueError(f"{n}: shares memory with {m}; pass separate arrays")
+        others = [(m, infos[m], y) for m, y in (("grad_S", grad_S), ("mu", mu),
+                                                 ("grad_gamma", grad_gamma))
+                  if m != n and y is not None]
+        for m, _ in _arrays.overlapping(a, x, others):
+            raise ValueError(f"{n}: shares memory with {m}; pass separate arrays")
     dtypes = frozenset(a.dtype for _, a in arrays)
     acc = "float64" if "float64" in dtypes else "float32"
     b = _select_vjp(backend, device_type, dtypes)
