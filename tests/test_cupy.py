@@ -403,7 +403,7 @@ def _all_kernel_names():
     from convcov.backends import cupy as mod
 
     families = [("generic", "", "float"), ("generic", "", "double")] + [
-        ("fast", cxx, acc) for cxx in ("f16", "bf16", "float", "double")
+        (kind, cxx, acc) for kind in ("fast", "vjp") for cxx in ("f16", "bf16", "float", "double")
         for acc in ("float", "double") if not (cxx == "double" and acc == "float")]
     return list(dict.fromkeys(n for f in families for n in mod._family_names(f)))
 
@@ -529,3 +529,373 @@ def test_cuda_source_on_host_random(host_kernels, monkeypatch, seed):
         out, g, mu, c, k, conv["stride"], conv["padding"], conv["dilation"], conv["groups"]),
         sms)
     _check(out, g, mu, c, k, conv, run=run)
+
+
+# ------------------------------------------------------------------ the backward
+# patch_moment_vjp (docs/autograd.md): the kernels cc_vjp_link, cc_vjp_gamma, cc_vjp_mu,
+# on the host build (everywhere) and on a GPU (torch and CuPy arrays), against the numpy
+# backend's VJP in float64.
+def _vjp_problem(rng, kind, dtypes, layouts, B=2, Ci=4, G=2, H=7, W=6, k=(3, 2),
+                 stride=(1, 1), padding=(0, 0), dilation=(1, 1), gamma="diag", want_mu=True):
+    """(grad_S, mu, grad_gamma, grad_mu, k, conv); dtypes/layouts: grad_S, mu, grad_gamma,
+    grad_mu. The gradients are filled with NaN: every element the backend must write
+    shows when it does not (and off the channel-diagonal of a full grad_gamma, they must
+    stay NaN)."""
+    kh, kw = k
+    Ho = (H + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
+    Wo = (W + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
+    gS = make(rng.standard_normal((B, G, Ho, Wo, Ho, Wo)), kind, dtypes[0], layouts[0], rng)
+    mu = make(rng.standard_normal((B, Ci, H, W)), kind, dtypes[1], layouts[1], rng)
+    gshape = {"full": (B, Ci, H, W, Ci, H, W), "diag": (B, Ci, H, W, H, W)}.get(gamma)
+    gg = None if gshape is None else make(np.full(gshape, np.nan), kind, dtypes[2],
+                                          layouts[2], rng)
+    gm = make(np.full((B, Ci, H, W), np.nan), kind, dtypes[3], layouts[3], rng) if want_mu \
+        else None
+    conv = dict(stride=stride, padding=padding, dilation=dilation, groups=G)
+    return gS, mu, gg, gm, k, conv
+
+
+def _vjp_check(gS, mu, gg, gm, k, conv, run, exact_nonfinite=False):
+    """Run ``run()`` (which fills gg/gm) and compare with the numpy backend in float64."""
+    from convcov import _frontend
+
+    gS64, mu64 = to_f64(gS), to_f64(mu)
+    full = gg is not None and len(gg.shape) == 7
+    rg = None if gg is None else np.zeros(gg.shape)
+    rm = None if gm is None else np.empty(gm.shape)
+    bg = None if gg is None else np.zeros(gg.shape)
+    bm = None if gm is None else np.empty(gm.shape)
+    _frontend.patch_moment_vjp(gS64, mu64, k, grad_gamma=rg, grad_mu=rm, backend="numpy", **conv)
+    _frontend.patch_moment_vjp(np.abs(gS64), np.abs(mu64), k, grad_gamma=bg, grad_mu=bm,
+                               backend="numpy", **conv)
+    run()
+    names = [str(x.dtype).split(".")[-1] for x in (gS, mu, gg, gm) if x is not None]
+    acc = "float64" if "float64" in names else "float32"
+    _, Ci, H, W = mu64.shape
+    kh, kw = k
+    for got_arr, ref, bound, what, n_terms in ((gg, rg, bg, "grad_gamma", kh * kw),
+                                               (gm, rm, bm, "grad_mu", 2 * kh * kw * H * W)):
+        if got_arr is None:
+            continue
+        got = to_f64(got_arr)
+        dtype = str(got_arr.dtype).split(".")[-1]
+        if full and what == "grad_gamma":  # off the channel diagonal: still NaN
+            off = np.ones(got.shape, bool)
+            for c in range(Ci):
+                off[:, c, :, :, c] = False
+            assert np.isnan(got[off]).all(), "wrote off the channel diagonal"
+            got, ref, bound = (np.stack([a[:, c, :, :, c] for c in range(Ci)], 1)
+                               for a in (got, ref, bound))
+        fin = np.isfinite(ref)
+        if exact_nonfinite:
+            np.testing.assert_array_equal(np.isnan(got), np.isnan(ref), err_msg=what)
+            np.testing.assert_array_equal(np.isinf(got), np.isinf(ref), err_msg=what)
+            got, ref, bound = got[fin], ref[fin], bound[fin]
+        else:
+            assert fin.all()
+        tol = tolerance(bound, n_terms, acc, dtype)
+        bad = ~(np.abs(got - ref) <= tol)
+        assert not bad.any(), f"{what}: {bad.sum()} of {bad.size} elements off"
+
+
+def _run_vjp_on_host(host_kernels, a, sms):
+    """The backend's backward plan for the Adjoint a (numpy arrays), on the host build."""
+    import ctypes
+
+    from convcov.backends import cupy as mod
+
+    lib, index = host_kernels
+
+    class Host(mod.CupyBackend):
+        def _function(self, name, family, dev):
+            assert name in mod._family_names(family), (name, family)
+            return name
+
+        def _sm_threads(self, dev):
+            return sms
+
+    plan = Host()._vjp_plan(a, 0)
+    scratch = np.full(plan.scratch + 64, np.nan, plan.acc)  # NaN: unwritten reads show
+    base = scratch.ctypes.data + (-scratch.ctypes.data) % 256 if plan.scratch else 0
+    ptrs = mod._vjp_pointers(a, plan, base)
+    for ln in plan.launches:
+        args = np.array(ln.args, np.int64)
+        for slot, ptr in zip(mod._VJP_PTR_SLOTS, ptrs):
+            args[slot] = ptr
+        getattr(lib, f"run_{index[ln.func]}")(ctypes.c_void_p(args.ctypes.data),
+                                              ctypes.c_longlong(ln.grid))
+    return [ln.func for ln in plan.launches]
+
+
+@pytest.fixture
+def host_vjp(host_kernels):
+    """A registered CPU backend 'cupy_host' whose backward is the cupy backend's plan and
+    kernels run on the host build; ``host_vjp(sms)`` sets the pretended device size."""
+    from convcov._registry import Backend
+
+    state = {"sms": (4, 256), "launched": []}
+
+    class HostVjp(Backend):
+        name, device = "cupy_host", "cpu"
+
+        def accumulate(self, p):  # pragma: no cover - only the backward is used
+            raise NotImplementedError
+
+        def patch_moment_vjp(self, a):
+            state["launched"] = _run_vjp_on_host(host_kernels, a, state["sms"])
+
+    _registry.register(HostVjp())
+    yield state
+    _registry.unregister("cupy_host")
+
+
+def _vjp_on_host(gS, mu, gg, gm, k, conv):
+    from convcov import _frontend
+
+    return lambda: _frontend.patch_moment_vjp(gS, mu, k, grad_gamma=gg, grad_mu=gm,
+                                              backend="cupy_host", **conv)
+
+
+_VJP_HOST_CASES = _HOST_CASES + [
+    (1, 3, 3, 3, 5, 7, (3, 3), (3, 2), (1, 1), (2, 1)),  # stride > kernel reach, groups
+    (2, 4, 4, 1, 4, 4, (4, 4), (1, 1), (3, 3), (1, 1)),  # padding >= kernel - 1
+]
+
+
+@pytest.mark.parametrize("case", range(len(_VJP_HOST_CASES)))
+@pytest.mark.parametrize("dtype", ["float32", "float16", "float64"])
+@pytest.mark.parametrize("want", [("diag", True), ("full", True), ("diag", False),
+                                  (None, True)])
+def test_vjp_cuda_source_on_host(host_vjp, case, dtype, want):
+    B, Ci, _, G, H, W, k, stride, padding, dilation = _VJP_HOST_CASES[case]
+    rng = np.random.default_rng(case)
+    args = _vjp_problem(rng, "numpy", [dtype] * 4, ["contiguous"] * 4, B=B, Ci=Ci, G=G, H=H,
+                        W=W, k=k, stride=stride, padding=padding, dilation=dilation,
+                        gamma=want[0], want_mu=want[1])
+    _vjp_check(*args, run=_vjp_on_host(*args))
+    names = " ".join(host_vjp["launched"])
+    assert ("cc_vjp_mu" in names) == want[1] and "cc_vjp_gamma" in names
+    if H * W % 4 == 0 and dtype == "float32":  # contiguous rows: 16-byte stores
+        assert "cc_vjp_gamma<float, float, 4>" in names, names
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_vjp_cuda_source_on_host_random(host_vjp, monkeypatch, seed):
+    """Random sizes, conv parameters, dtype mixes, layouts (permuted, strided, expanded
+    grad_S with zero strides), misaligned views, and device sizes (channel chunks)."""
+    from convcov.backends import cupy as mod
+
+    rng = np.random.default_rng(2000 + seed)
+    i = lambda lo, hi: int(rng.integers(lo, hi + 1))  # noqa: E731
+    G, kh, kw, dh, dw, ph, pw = i(1, 3), i(1, 3), i(1, 3), i(1, 2), i(1, 2), i(0, 2), i(0, 2)
+    span_h, span_w = dh * (kh - 1) + 1, dw * (kw - 1) + 1
+    dims = dict(B=i(1, 2), Ci=G * i(1, 10), G=G, H=i(max(1, span_h - 2 * ph), span_h + 6),
+                W=i(max(1, span_w - 2 * pw), span_w + 6), k=(kh, kw),
+                stride=(i(1, 3), i(1, 3)), padding=(ph, pw), dilation=(dh, dw))
+    dts = ["float16", "float32", "float64"]
+    dtypes = [dts[i(0, 2)] for _ in range(4)] if rng.random() < 0.5 else [dts[i(0, 2)]] * 4
+    lays = ["contiguous", "permuted", "strided"]
+    layouts = [lays[i(0, 2)] for _ in range(4)] if rng.random() < 0.6 else ["contiguous"] * 4
+    gamma, want_mu = [(None, True), ("full", True), ("diag", True), ("diag", False),
+                      ("full", False)][i(0, 4)]
+    gS, mu, gg, gm, k, conv = _vjp_problem(rng, "numpy", dtypes, layouts, gamma=gamma,
+                                           want_mu=want_mu, **dims)
+    if rng.random() < 0.2:  # autograd's expanded gradients: zero strides
+        gS = np.broadcast_to(gS[:1, :, :1], gS.shape)
+    if gg is not None and rng.random() < 0.2:  # misaligned: one element in
+        flat = np.full(gg.size + 1, np.nan, gg.dtype)
+        gg = flat[1:].reshape(gg.shape)
+    host_vjp["sms"] = [(4, 256), (1, 256), (132, 2048)][i(0, 2)]
+    if rng.random() < 0.25:  # the channel-chunk override
+        monkeypatch.setattr(mod, "_VJP_CHUNK", i(1, 4))
+    _vjp_check(gS, mu, gg, gm, k, conv, run=_vjp_on_host(gS, mu, gg, gm, k, conv))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
+def test_vjp_nonfinite_near_padding_on_host(host_vjp, dtype):
+    """NaN/Inf in grad_S and Inf in mu, next to the padding: a term with a padded
+    position is absent (skipped, not multiplied by 0), so non-finite values reach exactly
+    what they reach in the numpy reference. grad_S positive: per-offset and summed
+    products of an Inf then agree."""
+    rng = np.random.default_rng(11)
+    # Without padding, far-apart positions share no offset: an Inf in mu must not reach
+    # them (their D is 0: skipped, not Inf * 0).
+    for k, padding, stride in (((3, 3), (1, 1), (1, 1)), ((3, 2), (2, 1), (2, 1)),
+                               ((1, 3), (0, 1), (1, 1)), ((3, 3), (0, 0), (1, 1)),
+                               ((2, 3), (0, 1), (2, 1)), ((3, 1), (1, 0), (1, 2))):
+        gS, mu, gg, gm, k, conv = _vjp_problem(rng, "numpy", [dtype] * 4, ["contiguous"] * 4,
+                                               B=1, Ci=2, G=1, H=5, W=6, k=k, padding=padding,
+                                               stride=stride, gamma="diag")
+        gS[...] = rng.random(gS.shape) + 0.25
+        gS[0, 0, 0, 0, 0, -1] = np.nan  # a corner pair: some of its offsets are padding
+        gS[0, 0, -1, 0, 0, 1] = np.inf
+        mu[0, 1, 0, 0] = np.inf  # a corner input
+        mu[0, 0, -1, 2] = -np.inf
+        _vjp_check(gS, mu, gg, gm, k, conv, run=_vjp_on_host(gS, mu, gg, gm, k, conv),
+                   exact_nonfinite=True)
+
+
+def test_vjp_absent_terms_example_on_host(host_vjp):
+    """docs/autograd.md's example (tests/test_autograd.py), through the cupy kernels."""
+    from convcov import _frontend
+
+    mu = np.array([[[[1.0, 2.0, 3.0]]]])
+    grad_S = np.ones((1, 1, 1, 3, 1, 3))
+    grad_S[0, 0, 0, 0, 0, 2] = np.nan
+    grad_mu, grad_gamma = np.empty_like(mu), np.empty((1, 1, 1, 3, 1, 3))
+    _frontend.patch_moment_vjp(grad_S, mu, (1, 3), grad_gamma=grad_gamma, grad_mu=grad_mu,
+                               padding=(0, 1), backend="cupy_host")
+    np.testing.assert_array_equal(np.isnan(grad_mu.ravel()), [True, False, True])
+    nan = np.zeros((3, 3), bool)
+    nan[0, 2] = True
+    np.testing.assert_array_equal(np.isnan(grad_gamma.reshape(3, 3)), nan)
+
+
+# ------------------------------------------------------------------ the backward on a GPU
+def _vjp_on_gpu(gS, mu, gg, gm, k, conv):
+    from convcov import _frontend
+
+    return lambda: _frontend.patch_moment_vjp(gS, mu, k, grad_gamma=gg, grad_mu=gm,
+                                              backend="cupy", **conv)
+
+
+@gpu
+@pytest.mark.parametrize("kind", _kinds())
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64"])
+@pytest.mark.parametrize("conv", range(len(CONV)))
+@pytest.mark.parametrize("want", [("diag", True), ("full", True), ("diag", False), (None, True)])
+def test_vjp_matches_numpy(kind, dtype, conv, want):
+    if dtype == "bfloat16" and kind != "torch_cuda":
+        pytest.skip("bfloat16 arrays come from torch")
+    dims = {k: v for k, v in CONV[conv].items() if k != "Co"}
+    rng = np.random.default_rng(hash((kind, dtype, conv, want)) % 2**32)
+    args = _vjp_problem(rng, kind, [dtype] * 4, ["contiguous"] * 4, gamma=want[0],
+                        want_mu=want[1], **dims)
+    _vjp_check(*args, run=_vjp_on_gpu(*args))
+
+
+@gpu
+@pytest.mark.parametrize("kind", _kinds())
+@pytest.mark.parametrize("seed", range(12))
+def test_vjp_views_dtypes_and_chunks(kind, seed, monkeypatch):
+    """Permuted/strided views, mixed dtypes, zero-stride grad_S, misaligned grad_gamma,
+    and (odd seeds) a pretended one-multiprocessor device: channel chunks."""
+    import_torch = kind == "torch_cuda"
+    rng = np.random.default_rng(3000 + seed)
+    dts = ["float16", "float32", "float64"] + (["bfloat16"] if import_torch else [])
+    dtypes = [dts[int(rng.integers(len(dts)))] for _ in range(4)]
+    lays = ["contiguous", "permuted", "strided"]
+    layouts = [lays[int(rng.integers(3))] for _ in range(4)]
+    gamma = ["full", "diag", None][seed % 3]
+    dims = {name: v for name, v in CONV[1 + seed % 2].items() if name != "Co"}
+    gS, mu, gg, gm, k, conv = _vjp_problem(rng, kind, dtypes, layouts, gamma=gamma, **dims)
+    if seed % 4 == 1:  # autograd's expanded gradients: zero strides
+        if import_torch:
+            gS = gS[:1].expand(gS.shape)
+        else:
+            import cupy
+
+            gS = cupy.broadcast_to(gS[:1], gS.shape)
+    if seed % 2:
+        monkeypatch.setattr(BACKEND, "_sm_threads", lambda dev: (1, 256))
+    BACKEND._plans.clear()
+    try:
+        _vjp_check(gS, mu, gg, gm, k, conv, run=_vjp_on_gpu(gS, mu, gg, gm, k, conv))
+    finally:
+        BACKEND._plans.clear()
+
+
+@gpu
+@need_torch
+def test_vjp_runs_on_the_current_torch_stream():
+    """grad_S is filled on a side stream behind ~10 ms of sleep; the backward, called on
+    that stream, must see it."""
+    import torch
+
+    rng = np.random.default_rng(12)
+    gS, mu, gg, gm, k, conv = _vjp_problem(rng, "torch_cuda", ["float32"] * 4,
+                                           ["contiguous"] * 4, gamma="full")
+    want_gg, want_gm = torch.zeros_like(gg), torch.empty_like(gm)
+    _vjp_on_gpu(gS, mu, want_gg, want_gm, k, conv)()
+    torch.cuda.synchronize()
+    src = gS.clone()
+    gg.zero_()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        gS.zero_()
+        torch.cuda._sleep(20_000_000)
+        gS.copy_(src)
+        _vjp_on_gpu(gS, mu, gg, gm, k, conv)()
+        got_gg, got_gm = gg.clone(), gm.clone()
+    side.synchronize()
+    torch.testing.assert_close(got_gg, want_gg, rtol=0, atol=0)
+    torch.testing.assert_close(got_gm, want_gm, rtol=0, atol=0)
+
+
+@gpu
+def test_vjp_runs_on_the_current_cupy_stream():
+    import cupy
+
+    spin = cupy.RawKernel(r'''extern "C" __global__ void spin(long long n) {
+        long long t0 = clock64(); while (clock64() - t0 < n) {} }''', "spin")
+    rng = np.random.default_rng(13)
+    gS, mu, gg, gm, k, conv = _vjp_problem(rng, "cupy", ["float32"] * 4, ["contiguous"] * 4)
+    want_gg, want_gm = cupy.empty_like(gg), cupy.empty_like(gm)
+    _vjp_on_gpu(gS, mu, want_gg, want_gm, k, conv)()
+    cupy.cuda.Device().synchronize()
+    src = gS.copy()
+    with cupy.cuda.Stream(non_blocking=True) as side:
+        gS.fill(0)
+        spin((1,), (1,), (np.int64(20_000_000),))
+        gS[...] = src
+        _vjp_on_gpu(gS, mu, gg, gm, k, conv)()
+        got_gg, got_gm = gg.copy(), gm.copy()
+    side.synchronize()
+    np.testing.assert_array_equal(cupy.asnumpy(got_gg), cupy.asnumpy(want_gg))
+    np.testing.assert_array_equal(cupy.asnumpy(got_gm), cupy.asnumpy(want_gm))
+
+
+# CUDA-graph capture of forward + backward: tests/test_autograd.py::test_cuda_graph_capture
+
+
+@gpu
+@need_torch
+def test_vjp_threads_at_once():
+    """8 threads, each its own problem, dtype and torch stream, 10 backward calls each."""
+    import torch
+
+    rng = np.random.default_rng(14)
+    jobs, expected = [], []
+    for i in range(8):
+        dtype = ["float32", "float16", "bfloat16", "float64"][i % 4]
+        dims = {k: v for k, v in CONV[i % len(CONV)].items() if k != "Co"}
+        jobs.append(_vjp_problem(rng, "torch_cuda", [dtype] * 4, ["contiguous"] * 4,
+                                 gamma=["full", "diag", None][i % 3], **dims))
+    for gS, mu, gg, gm, k, conv in jobs:
+        e = (None if gg is None else gg.clone(), gm.clone())
+        _vjp_on_gpu(gS, mu, *e, k, conv)()
+        expected.append(e)
+    torch.cuda.synchronize()
+    errors, barrier = [], threading.Barrier(len(jobs))
+
+    def work(i):
+        try:
+            gS, mu, gg, gm, k, conv = jobs[i]
+            stream = torch.cuda.Stream() if i % 2 else torch.cuda.current_stream()
+            barrier.wait()
+            with torch.cuda.stream(stream):
+                for _ in range(10):
+                    _vjp_on_gpu(gS, mu, gg, gm, k, conv)()
+            stream.synchronize()
+            for got, want in zip((gg, gm), expected[i]):
+                if got is not None and not torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0)):
+                    errors.append(f"thread {i}: wrong result")
+        except Exception as exc:  # reported below, in the main thread
+            errors.append(f"thread {i}: {exc!r}")
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors

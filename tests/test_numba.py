@@ -5,7 +5,9 @@ numpy reference on random problems; this file covers what is particular to this 
 the float16 / bfloat16 bit conversions (exhaustively where possible), rounding once
 into 16-bit outputs, torch bfloat16 CPU tensors, concurrent calls from several threads
 and after a fork, any strides (negative ones too), the literal-loop ground truth,
-non-finite values next to the padding, and that one compile serves every shape.
+non-finite values next to the padding, and that one compile serves every shape; and the
+backward (``patch_moment_vjp``) against the numpy reference's: layouts, strides (zero and
+negative), dtypes, non-finite values next to the padding, chunks, threads.
 """
 
 from __future__ import annotations
@@ -537,3 +539,238 @@ def test_call_in_forked_child_after_parent_used_it():
         """)
     r = _run_python(code, {})
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
+
+
+# --------------------------------------------------------------------------- the backward
+# Backend.patch_moment_vjp (docs/autograd.md, "The backend contract"); gradcheck and the
+# comparison with autograd through the plain expression run in test_autograd.py.
+def _vjp_problem(rng, B, Ci, H, W, k, stride=1, padding=0, dilation=1, groups=1,
+                 dtype=np.float64, **_):
+    kh, kw = (k, k) if np.isscalar(k) else k
+    sh, sw = (stride, stride) if np.isscalar(stride) else stride
+    ph, pw = (padding, padding) if np.isscalar(padding) else padding
+    dh, dw = (dilation, dilation) if np.isscalar(dilation) else dilation
+    Ho = (H + 2 * ph - dh * (kh - 1) - 1) // sh + 1
+    Wo = (W + 2 * pw - dw * (kw - 1) - 1) // sw + 1
+    grad_S = rng.standard_normal((B, groups, Ho, Wo, Ho, Wo)).astype(dtype)
+    mu = rng.standard_normal((B, Ci, H, W)).astype(dtype)
+    kwargs = dict(stride=(sh, sw), padding=(ph, pw), dilation=(dh, dw), groups=groups)
+    return grad_S, mu, (kh, kw), kwargs
+
+
+def _vjp(grad_S, mu, k, kw, backend, full=False, dtypes=(None, None), gamma=True,
+         want_mu=True, fill=np.nan):
+    """(grad_gamma, grad_mu) from ``backend``; buffers pre-filled with ``fill`` (the
+    backend must overwrite them), in the given dtypes (default: mu's)."""
+    from convcov._frontend import patch_moment_vjp
+
+    B, Ci, H, W = mu.shape
+    gdt, mdt = (d or mu.dtype for d in dtypes)
+    gg = (np.full((B, Ci, H, W, Ci, H, W) if full else (B, Ci, H, W, H, W), fill, gdt)
+          if gamma else None)
+    gm = np.full(mu.shape, fill, mdt) if want_mu else None
+    patch_moment_vjp(grad_S, mu, k, grad_gamma=gg, grad_mu=gm, backend=backend, **kw)
+    return gg, gm
+
+
+def _diag_mask(shape):
+    mask = np.zeros(shape, bool)
+    for ci in range(shape[1]):
+        mask[:, ci, :, :, ci] = True
+    return mask
+
+
+VJP_CASES = {name: CASES[name] for name in ("seed", "stride-pad", "dilation-groups",
+                                              "depthwise-0d-c", "kernel-larger-than-input",
+                                              "five-channels")}
+VJP_CASES["stride-both-dilation"] = dict(B=2, Ci=2, H=7, W=6, k=3, stride=(2, 3),
+                                         padding=(2, 1), dilation=(2, 1))
+
+
+@pytest.mark.parametrize("full", [False, True], ids=["diag", "full"])
+@pytest.mark.parametrize("case", VJP_CASES)
+def test_vjp_matches_numpy_reference_float64(case, full):
+    grad_S, mu, k, kw = _vjp_problem(np.random.default_rng(20), **VJP_CASES[case])
+    want = _vjp(grad_S, mu, k, kw, "numpy", full=full, fill=0.0)
+    got = _vjp(grad_S, mu, k, kw, "numba", full=full, fill=0.0)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_vjp_full_layout_writes_only_the_channel_diagonal():
+    grad_S, mu, k, kw = _vjp_problem(np.random.default_rng(21), **CASES["dilation-groups"])
+    gg, _ = _vjp(grad_S, mu, k, kw, "numba", full=True, fill=np.nan, want_mu=False)
+    mask = _diag_mask(gg.shape)
+    assert np.isnan(gg[~mask]).all()  # the caller's values, untouched
+    want, _ = _vjp(grad_S, mu, k, kw, "numpy", full=True, fill=0.0, want_mu=False)
+    np.testing.assert_allclose(gg[mask], want[mask], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("wanted", ["gamma", "mu"])
+def test_vjp_only_what_is_wanted(wanted):
+    grad_S, mu, k, kw = _vjp_problem(np.random.default_rng(22), **CASES["stride-pad"])
+    flags = dict(gamma=wanted == "gamma", want_mu=wanted == "mu")
+    got = _vjp(grad_S, mu, k, kw, "numba", **flags)
+    want = _vjp(grad_S, mu, k, kw, "numpy", **flags)
+    i = 0 if wanted == "gamma" else 1
+    assert got[1 - i] is None
+    np.testing.assert_allclose(got[i], want[i], rtol=1e-12, atol=1e-12)
+
+
+def test_vjp_any_strides_zero_and_negative():
+    """grad_S as autograd hands it for S.sum() (all strides 0) and permuted / reversed
+    views; mu reversed in F order; gradients written into views of larger arrays."""
+    rng = np.random.default_rng(23)
+    grad_S, mu, k, kw = _vjp_problem(rng, dtype=np.float32, **CASES["dilation-groups"])
+    mu_nc = np.asfortranarray(mu[:, ::-1, ::-1])[:, ::-1, ::-1]
+    B, Ci, H, W = mu.shape
+    for gS in (np.broadcast_to(np.float32(0.5), grad_S.shape),
+               np.ascontiguousarray(grad_S.transpose(0, 1, 4, 5, 2, 3))
+               .transpose(0, 1, 4, 5, 2, 3)[:, :, ::-1][:, :, ::-1]):
+        want = _vjp(np.ascontiguousarray(gS), mu, k, kw, "numpy", fill=0.0)
+        big_g = np.full((B, Ci + 1, H, W, H, W, 2), 9.0, np.float32)
+        big_m = np.full((B, Ci, H + 1, W, 2), 9.0, np.float32)
+        gg = big_g[:, 1:, ..., 0][:, ::-1, :, ::-1]
+        gm = big_m[:, :, 1:, :, 1][:, :, ::-1]
+        from convcov._frontend import patch_moment_vjp
+        patch_moment_vjp(gS, mu_nc, k, grad_gamma=gg, grad_mu=gm, backend="numba", **kw)
+        np.testing.assert_allclose(gg, want[0], rtol=1e-5, atol=1e-4)
+        np.testing.assert_allclose(gm, want[1], rtol=1e-5, atol=1e-4)
+        assert (big_g[:, 0] == 9).all() and (big_g[..., 1] == 9).all()
+        assert (big_m[:, :, 0] == 9).all() and (big_m[..., 0] == 9).all()
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_vjp_16_and_32_bit_rounded_once(dtype):
+    rng = np.random.default_rng(24)
+    grad_S, mu, k, kw = _vjp_problem(rng, dtype=dtype, **CASES["five-channels"])
+    exact = _vjp(grad_S.astype(np.float64), mu.astype(np.float64), k, kw, "numpy", fill=0.0)
+    got = _vjp(grad_S, mu, k, kw, "numba")
+    for g, e in zip(got, exact):
+        assert g.dtype == dtype
+        if dtype == np.float16:
+            assert _within_one_step(g, e, to_f16_exact, 11, -24).all()
+            assert (g.astype(np.float64) == to_f16_exact(e)).mean() > 0.97
+        else:  # float64 sums, one rounding: the float64 reference rounded
+            np.testing.assert_allclose(g, e.astype(np.float32), rtol=1e-6, atol=1e-6)
+
+
+def test_vjp_mixed_dtypes():
+    rng = np.random.default_rng(25)
+    grad_S, mu, k, kw = _vjp_problem(rng, **CASES["stride-pad"])
+    gS16, mu32 = grad_S.astype(np.float16), mu.astype(np.float32)
+    exact = _vjp(gS16.astype(np.float64), mu32.astype(np.float64), k, kw, "numpy", fill=0.0)
+    got = _vjp(gS16, mu32, k, kw, "numba", dtypes=(np.float16, np.float64))
+    assert got[0].dtype == np.float16 and got[1].dtype == np.float64
+    np.testing.assert_array_equal(got[0].astype(np.float64), to_f16_exact(exact[0]))
+    np.testing.assert_allclose(got[1], exact[1], rtol=1e-12, atol=1e-12)
+
+
+def test_vjp_torch_bfloat16():
+    torch = pytest.importorskip("torch")
+    from convcov._frontend import patch_moment_vjp
+
+    rng = np.random.default_rng(26)
+    grad_S, mu, k, kw = _vjp_problem(rng, dtype=np.float32, **CASES["dilation-groups"])
+    gS_t = torch.from_numpy(grad_S).to(torch.bfloat16)
+    mu_t = torch.from_numpy(mu).to(torch.bfloat16)
+    exact = _vjp(gS_t.double().numpy(), mu_t.double().numpy(), k, kw, "numpy", fill=0.0)
+    gg = torch.full(mu.shape + mu.shape[2:], float("nan"), dtype=torch.bfloat16)
+    gm = torch.full(mu.shape, float("nan"), dtype=torch.bfloat16)
+    patch_moment_vjp(gS_t, mu_t, k, grad_gamma=gg, grad_mu=gm, backend="numba", **kw)
+    for g, e in zip((gg, gm), exact):
+        got = g.double().numpy()
+        assert _within_one_step(got, e, to_bf16_exact, 8, -133).all()
+        assert (got == to_bf16_exact(e)).mean() > 0.97
+
+
+def test_vjp_non_finite_values_near_the_padding():
+    """Absent terms stay absent: NaN / Inf in grad_S on pairs with a padded position, and
+    Inf in mu next to the padding, reach exactly the gradients the numpy reference has
+    them reach (same NaN, +Inf and -Inf patterns), in both gradients."""
+    rng = np.random.default_rng(27)
+    non_finite_seen = 0
+    for case, finite_mu in (("stride-pad", False), ("dilation-groups", True),
+                            ("stride-both-dilation", False)):
+        grad_S, mu, k, kw = _vjp_problem(rng, **VJP_CASES[case])
+        grad_S[0, 0, 0, 0, 0, -1] = np.nan
+        grad_S[0, 0, -1, 0, 0, 0] = np.inf
+        grad_S[0, -1, 0, -1, -1, 0] = -np.inf
+        if not finite_mu:
+            mu[0, 0, 0, 0] = np.inf
+            mu[0, -1, -1, 1] = -np.inf
+            mu[-1, 0, 1, -1] = np.nan
+        want = _vjp(grad_S, mu, k, kw, "numpy", fill=0.0)
+        got = _vjp(grad_S, mu, k, kw, "numba")
+        for g, w in zip(got, want):
+            assert np.isfinite(w).any()
+            non_finite_seen += (~np.isfinite(w)).sum()
+            np.testing.assert_array_equal(np.isnan(g), np.isnan(w))
+            np.testing.assert_array_equal(np.isposinf(g), np.isposinf(w))
+            np.testing.assert_array_equal(np.isneginf(g), np.isneginf(w))
+            fin = np.isfinite(w)
+            np.testing.assert_allclose(g[fin], w[fin], rtol=1e-12, atol=1e-12)
+    assert non_finite_seen > 0
+
+
+def test_vjp_absent_terms_one_row():
+    """The case of test_autograd.py's test_absent_terms_stay_absent_in_the_backward."""
+    from convcov._frontend import patch_moment_vjp
+
+    mu = np.array([[[[1.0, 2.0, np.inf]]]])
+    grad_S = np.ones((1, 1, 1, 3, 1, 3))
+    grad_S[0, 0, 0, 0, 0, 2] = np.nan
+    grad_mu, grad_gamma = np.empty_like(mu), np.empty((1, 1, 1, 3, 1, 3))
+    patch_moment_vjp(grad_S, mu, (1, 3), grad_gamma=grad_gamma, grad_mu=grad_mu,
+                     padding=(0, 1), backend="numba")
+    want = _vjp(grad_S, mu, (1, 3), dict(padding=(0, 1)), "numpy", fill=0.0)
+    np.testing.assert_array_equal(grad_mu, want[1])
+    np.testing.assert_array_equal(grad_gamma, want[0])
+
+
+def test_vjp_several_chunks_streaming_stores_and_one_compiled_kernel(monkeypatch):
+    """Small problems run as one chunk with ordinary stores; force several chunks and the
+    non-temporal stores of large ones. One compile serves every dtype mix."""
+    monkeypatch.setattr(nbb, "CHUNK_BYTES", 1)  # one (b, g) pair per chunk
+    monkeypatch.setattr(nbb, "STREAM_FROM_BYTES", 0)
+    rng = np.random.default_rng(28)
+    case = dict(B=3, Ci=10, H=6, W=5, k=3, stride=(2, 1), padding=1, groups=2)
+    for dtype in (np.float32, np.float16, np.float64):
+        grad_S, mu, k, kw = _vjp_problem(rng, dtype=dtype, **case)
+        want = _vjp(grad_S.astype(np.float64), mu.astype(np.float64), k, kw, "numpy",
+                    fill=0.0)
+        got = _vjp(grad_S, mu, k, kw, "numba", full=dtype == np.float32)
+        mask = _diag_mask(got[0].shape) if dtype == np.float32 else Ellipsis
+        tol = 1e-2 if dtype == np.float16 else 1e-5
+        np.testing.assert_allclose(got[0][mask].ravel(), want[0].ravel(), rtol=tol, atol=tol)
+        np.testing.assert_allclose(got[1], want[1], rtol=tol, atol=tol)
+    assert len(nbb._vjp_parallel.signatures) == 1  # float64 sums for every dtype mix
+
+
+def test_vjp_concurrent_calls_from_threads():
+    rng = np.random.default_rng(29)
+    grad_S, mu, k, kw = _vjp_problem(rng, B=2, Ci=4, H=8, W=8, k=3, padding=1,
+                                     dtype=np.float32)
+    expected = _vjp(grad_S, mu, k, kw, "numba")
+    n_threads, rounds = 6, 4
+    results, errors = [[None] * rounds for _ in range(n_threads)], []
+    barrier = threading.Barrier(n_threads)
+
+    def work(i):
+        try:
+            barrier.wait()
+            for r in range(rounds):
+                results[i][r] = _vjp(grad_S, mu, k, kw, "numba")
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(n_threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    for row in results:
+        for got in row:
+            for a, b in zip(got, expected):
+                np.testing.assert_array_equal(a, b)

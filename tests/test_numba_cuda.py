@@ -319,3 +319,244 @@ def test_threads_at_once(path):
     assert not errors, errors
     for (out, *_), ref, got in zip(cases, refs, results):
         np.testing.assert_allclose(got, out + 20 * (ref - out), rtol=1e-4, atol=1e-4)
+
+
+# ------------------------------------------------------------------ the backward
+# Backend.patch_moment_vjp (docs/autograd.md): tiny random problems against the numpy
+# backend's VJP (float64), through the backward's front end on arrays of every kind here.
+# tests/test_autograd.py also runs gradcheck and the torch operators through this backend.
+def _vjp_problem(rng, B, Ci, H, W, k, G=1, stride=(1, 1), padding=(0, 0), dilation=(1, 1)):
+    kh, kw = k
+    Ho = (H + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
+    Wo = (W + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
+    conv = dict(stride=stride, padding=padding, dilation=dilation, groups=G)
+    return rng.standard_normal((B, G, Ho, Wo, Ho, Wo)), rng.standard_normal((B, Ci, H, W)), conv
+
+
+def _vjp_ref(grad_S, mu, k, conv, full_gamma):
+    """The numpy backend's (grad_gamma, grad_mu) in float64, and the same on |inputs|."""
+    from convcov._frontend import patch_moment_vjp
+
+    B, Ci, H, W = mu.shape
+    res = []
+    for gs, m in ((grad_S, mu), (np.abs(grad_S), np.abs(mu))):
+        gg = np.zeros((B, Ci, H, W, Ci, H, W) if full_gamma else (B, Ci, H, W, H, W))
+        gm = np.zeros(mu.shape)
+        patch_moment_vjp(gs, m, k, grad_gamma=gg, grad_mu=gm, backend="numpy", **conv)
+        res.append((gg, gm))
+    return res
+
+
+def _check_vjp(grad_S, mu, k, conv, kind, dtypes=("float32",) * 4, layouts=("contiguous",) * 4,
+               gamma="diag", want_mu=True, seed=0):
+    """numba_cuda's backward on arrays of ``kind`` vs the numpy VJP of the same (rounded)
+    inputs. dtypes and layouts: grad_S, mu, grad_gamma, grad_mu. The gradients start as NaN
+    (overwrite, never add); off the channel-diagonal of a full grad_gamma they must stay."""
+    from convcov._frontend import patch_moment_vjp
+
+    rng = np.random.default_rng(seed)
+    dt_s, dt_m, dt_gg, dt_gm = dtypes
+    B, Ci, H, W = mu.shape
+    gs = make(grad_S, kind, dt_s, layouts[0], rng)
+    m = make(mu, kind, dt_m, layouts[1], rng)
+    full = gamma == "full"
+    shape = (B, Ci, H, W, Ci, H, W) if full else (B, Ci, H, W, H, W)
+    start = rng.standard_normal(shape) if full else np.full(shape, np.nan)
+    gg = None if gamma is None else make(start, kind, dt_gg, layouts[2], rng)
+    gm = make(np.full(mu.shape, np.nan), kind, dt_gm, layouts[3], rng) if want_mu else None
+    before = None if gg is None else to_f64(gg)
+    patch_moment_vjp(gs, m, k, grad_gamma=gg, grad_mu=gm, backend="numba_cuda", **conv)
+    (ref_gg, ref_gm), (bnd_gg, bnd_gm) = _vjp_ref(to_f64(gs), to_f64(m), k, conv, full)
+    acc = "float64" if "float64" in [dt_s, dt_m] + ([dt_gg] if gg is not None else []) + (
+        [dt_gm] if want_mu else []) else "float32"
+    kh, kw = k
+    P = grad_S.shape[2] * grad_S.shape[3]
+    for got, ref, bnd, dt, n in ((gg, ref_gg, bnd_gg, dt_gg, kh * kw),
+                                 (gm, ref_gm, bnd_gm, dt_gm, 2 * kh * kw * P)):
+        if got is None:
+            continue
+        got64 = to_f64(got)
+        if full and got is gg:
+            diag = np.zeros(shape, bool)
+            for c in range(Ci):
+                diag[:, c, :, :, c] = True
+            np.testing.assert_array_equal(got64[~diag], before[~diag])
+            got64, ref, bnd = got64[diag], ref[diag], bnd[diag]
+        err = np.abs(got64 - ref)
+        tol = tolerance(bnd, n, acc, dt)
+        assert (err <= tol).all(), (f"worst error {err.max():.3g}, "
+                                    f"tolerance {tol.ravel()[err.argmax()]:.3g}")
+
+
+VJP_CONVS = {  # name: (B, Ci, H, W, k, G, stride, padding, dilation)
+    "seed": (1, 2, 4, 4, (2, 2), 1, (1, 1), (0, 0), (1, 1)),
+    "padded": (1, 2, 4, 5, (3, 3), 1, (1, 1), (2, 1), (1, 1)),
+    "strided-dilated-groups": (2, 4, 5, 6, (2, 3), 2, (2, 1), (1, 0), (1, 2)),
+    "six-channels": (1, 6, 3, 3, (2, 1), 1, (1, 1), (0, 0), (1, 1)),  # 4 + a clamped 2
+    "depthwise-strided": (1, 3, 5, 4, (2, 2), 3, (2, 2), (1, 1), (1, 1)),
+}
+
+
+@available
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("conv", list(VJP_CONVS))
+@pytest.mark.parametrize("gamma,want_mu", [("diag", True), ("full", True), ("diag", False),
+                                           (None, True)])
+def test_vjp_matches_numpy(kind, conv, gamma, want_mu):
+    B, Ci, H, W, k, G, s, p, d = VJP_CONVS[conv]
+    grad_S, mu, cv = _vjp_problem(np.random.default_rng(11), B, Ci, H, W, k, G, s, p, d)
+    _check_vjp(grad_S, mu, k, cv, kind, ("float64",) * 4, gamma=gamma, want_mu=want_mu)
+    _check_vjp(grad_S, mu, k, cv, kind, ("float32",) * 4, gamma=gamma, want_mu=want_mu)
+
+
+@available
+@pytest.mark.parametrize("dtypes", [("float16",) * 4, ("bfloat16",) * 4,
+                                    ("float32", "float16", "bfloat16", "float64"),
+                                    ("bfloat16", "float64", "float16", "float32"),
+                                    ("float16", "float32", "float32", "bfloat16")])
+def test_vjp_dtypes(dtypes):
+    kind = "torch_cuda" if ON_GPU else "torch"
+    if not HAS_TORCH:
+        if "bfloat16" in dtypes:
+            pytest.skip("bfloat16 arrays come from torch, which is not installed")
+        kind = "numpy"
+    if ON_GPU and not torch_cuda():
+        pytest.skip("torch with CUDA is not installed")
+    grad_S, mu, cv = _vjp_problem(np.random.default_rng(12), 1, 2, 4, 4, (2, 2),
+                                  padding=(1, 0))
+    for gamma in ("diag", "full"):
+        _check_vjp(grad_S, mu, (2, 2), cv, kind, dtypes, gamma=gamma)
+
+
+@available
+@pytest.mark.parametrize("layouts", [("permuted", "strided", "permuted", "strided"),
+                                     ("strided", "permuted", "strided", "permuted")])
+@pytest.mark.parametrize("gamma", ["diag", "full"])
+def test_vjp_views(layouts, gamma):
+    grad_S, mu, cv = _vjp_problem(np.random.default_rng(13), 2, 2, 4, 5, (2, 3), G=2,
+                                  padding=(1, 1))
+    for kind in KINDS:
+        _check_vjp(grad_S, mu, (2, 3), cv, kind, layouts=layouts, gamma=gamma)
+
+
+@available
+def test_vjp_expanded_grad_S():
+    """autograd hands an expanded gradient (zero strides) for out.sum()-like losses."""
+    from convcov._frontend import patch_moment_vjp
+
+    shape = (2, 1, 3, 3, 3, 3)
+    mu = np.random.default_rng(14).standard_normal((2, 2, 4, 4))
+    if KINDS[0] == "numpy":
+        gs = np.broadcast_to(np.float32(0.5), shape)
+        m = mu.astype(np.float32)
+    else:
+        import torch
+
+        gs = torch.full((), 0.5, device="cuda").expand(shape)
+        m = torch.tensor(mu, dtype=torch.float32, device="cuda")
+    gg, gm = np.zeros((2, 2, 4, 4, 4, 4)), np.zeros(mu.shape)
+    patch_moment_vjp(np.full(shape, 0.5), mu, 2, grad_gamma=gg, grad_mu=gm, backend="numpy")
+    got_gg = make(np.full(gg.shape, np.nan), KINDS[0], "float32")
+    got_gm = make(np.full(mu.shape, np.nan), KINDS[0], "float32")
+    patch_moment_vjp(gs, m, 2, grad_gamma=got_gg, grad_mu=got_gm, backend="numba_cuda")
+    np.testing.assert_allclose(to_f64(got_gg), gg, rtol=1e-6)
+    np.testing.assert_allclose(to_f64(got_gm), gm, rtol=1e-5, atol=1e-5)
+
+
+@available
+def test_vjp_padding_next_to_inf():
+    """Terms with a position in the padding are absent, even next to NaN / Inf: the same
+    NaN / Inf pattern as the numpy VJP, and equal finite values."""
+    from convcov._frontend import patch_moment_vjp
+
+    rng = np.random.default_rng(15)
+    mu = rng.random((1, 1, 3, 4))
+    mu[0, 0, 0, 0] = np.inf
+    grad_S = rng.random((1, 1, 3, 4, 3, 4))
+    grad_S[0, 0, 0, 0, 0, 3] = np.nan  # a pair that offsets with padded partners also read
+    grad_S[0, 0, 2, 3, 1, 0] = -np.inf
+    res = []
+    for be, kind in (("numpy", "numpy"), ("numba_cuda", KINDS[0])):
+        gg = make(np.zeros((1, 1, 3, 4, 3, 4)), kind, "float64")
+        gm = make(np.zeros(mu.shape), kind, "float64")
+        patch_moment_vjp(make(grad_S, kind, "float64"), make(mu, kind, "float64"), 3,
+                         grad_gamma=gg, grad_mu=gm, padding=1, backend=be)
+        res.append((to_f64(gg), to_f64(gm)))
+    for want, got in zip(*res):
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+    assert not np.isnan(res[1][1]).all()  # the pattern is not trivially all-NaN
+
+
+@available
+@pytest.mark.skipif(ON_GPU, reason="negative strides: numpy views, host (simulator) only")
+def test_vjp_negative_strides():
+    from convcov._frontend import patch_moment_vjp
+
+    grad_S, mu, cv = _vjp_problem(np.random.default_rng(16), 1, 2, 4, 4, (2, 2))
+    gs_v, mu_v = grad_S[:, :, ::-1, :, :, ::-1], mu[..., ::-1]
+    want = _vjp_ref(gs_v, mu_v, (2, 2), cv, False)[0]
+    gg = np.zeros((1, 2, 4, 4, 4, 4))[:, ::-1, :, ::-1]
+    gm = np.zeros((1, 2, 4, 4))[..., ::-1]
+    patch_moment_vjp(gs_v, mu_v, 2, grad_gamma=gg, grad_mu=gm, backend="numba_cuda")
+    np.testing.assert_allclose(gg, want[0], rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(gm, want[1], rtol=1e-12, atol=1e-12)
+
+
+# ------------------------------------------------------------------ the backward, GPU only
+@gpu
+def test_vjp_on_the_current_torch_stream():
+    """grad_S and mu are written on a side stream after a long sleep; the backward, called
+    on that stream, must see them (on any other stream it would read zeros)."""
+    import torch
+
+    from convcov._frontend import patch_moment_vjp
+
+    grad_S, mu, cv = _vjp_problem(np.random.default_rng(17), 1, 2, 5, 5, (2, 2))
+    gs_true = torch.tensor(grad_S, dtype=torch.float32, device="cuda")
+    mu_true = torch.tensor(mu, dtype=torch.float32, device="cuda")
+    gs, m = torch.zeros_like(gs_true), torch.zeros_like(mu_true)
+    gg = torch.empty((1, 2, 5, 5, 5, 5), device="cuda")
+    gm = torch.empty_like(m)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)
+        gs.copy_(gs_true)
+        m.copy_(mu_true)
+        patch_moment_vjp(gs, m, 2, grad_gamma=gg, grad_mu=gm, backend="numba_cuda", **cv)
+    side.synchronize()
+    want = _vjp_ref(to_f64(gs_true), to_f64(mu_true), (2, 2), cv, False)[0]
+    np.testing.assert_allclose(to_f64(gg), want[0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(to_f64(gm), want[1], rtol=1e-4, atol=1e-4)
+
+
+# CUDA-graph capture of forward + backward: tests/test_autograd.py::test_cuda_graph_capture
+
+
+@gpu
+def test_vjp_more_than_2_31_elements():
+    """grad_gamma (float16, diagonal layout) of 2.3e9 elements: 64-bit indexing. With a
+    1 x 1 kernel dΓ is grad_S itself, stored to every channel: checked past 2**31."""
+    import torch
+
+    from convcov._frontend import patch_moment_vjp
+
+    H, Ci = 110, 16
+    HW = H * H
+    n = Ci * HW * HW
+    need = n * 2 + HW * HW * 4 + 2**30
+    free, _ = torch.cuda.mem_get_info()
+    if free < need:
+        pytest.skip(f"needs {need / 2**30:.0f} GiB of free GPU memory, {free / 2**30:.0f} here")
+    assert n > 2**31
+    gen = torch.Generator(device="cuda").manual_seed(19)
+    grad_S = torch.rand((1, 1, H, H, H, H), device="cuda", generator=gen)
+    mu = torch.rand((1, Ci, H, H), device="cuda", generator=gen)
+    gg = torch.empty((1, Ci, H, H, H, H), dtype=torch.float16, device="cuda")
+    patch_moment_vjp(grad_S, mu, 1, grad_gamma=gg, backend="numba_cuda")
+    for ci, x0, y0, x1, y1 in [(15, H - 1, H - 1, H - 1, H - 1), (14, 3, 7, H - 2, 5),
+                               (11, H - 1, 0, 0, H - 1), (0, 0, 0, 0, 0)]:
+        want = grad_S[0, 0, x0, y0, x1, y1].half().item()
+        assert gg[0, ci, x0, y0, x1, y1].item() == want, (ci, x0, y0, x1, y1)
+    del gg

@@ -31,6 +31,14 @@ or Co). Terms with a position in the padding are skipped (SPEC section 1), so Na
 compiles with ``-ftz=true``; results are rounded once into ``out``'s dtype (float64 sums
 reach float16/bfloat16 through round-to-odd float32, a single correct rounding).
 
+The backward (``patch_moment_vjp``, docs/autograd.md's contract; docs/cupy.md "Backward")
+is three more kernels: ``cc_vjp_gamma`` gathers ``D``, the adjoint of the box filter, from
+``grad_S`` and streams it (rounded once, 16-byte streaming stores) into the
+channel-diagonal of ``grad_gamma`` for every channel of the group; ``cc_vjp_mu`` forms
+``grad_mu = (D + D^T) mu`` over the position pairs some offset links (tables from
+``cc_vjp_link``), skipping the others, so absent terms stay absent. Scratch: ``D`` and
+the link tables, only when ``grad_mu`` is wanted.
+
 Kernels take one ``Args`` struct by value; a call packs it into a copy of a per-plan
 template and calls ``cuLaunchKernel`` through CuPy's driver binding, which keeps the
 Python path short. No shared memory is used: every tile's reuse is served by L1/L2.
@@ -71,7 +79,13 @@ _FIELDS = (
     "nchunk", "chunk",                         # output channels of a group split in chunks
     "nseg", "seg_len", "tiles",                # cc_stream: out[b, c0] as contiguous segments
     "n",                                       # work items of this launch
-    "c_value",                                 # double: c when c is a Python number
+    # the backward (patch_moment_vjp): grad_S in; grad_gamma, grad_mu out; D, link: scratch
+    "gs", "gg", "gm", "dsc", "lnk",            # device addresses (0 when absent)
+    "ss0", "ss1", "ss2", "ss3", "ss4", "ss5",  # grad_S (b, g, i0, j0, i1, j1)
+    "sgg0", "sgg1", "sgg2", "sgg3", "sgg4", "sgg5",  # grad_gamma, diagonal folded
+    "sgm0", "sgm1", "sgm2", "sgm3",            # grad_mu (b, ci, x, y)
+    "dt_gs", "dt_gm",                          # dtype codes of grad_S and grad_mu
+    "c_value",                                 # double: c when c is a Python number (last)
 )
 _SLOT = {name: i for i, name in enumerate(_FIELDS)}
 _ARGS_STRUCT = "struct Args {\n" + "".join(
@@ -622,6 +636,163 @@ __global__ void __launch_bounds__(THREADS) cc_direct(const Args a) {
     }
   }
 }
+
+// ================================================================ the backward
+// patch_moment_vjp (docs/autograd.md): grad_S in, the gradients of gamma's channel-
+// diagonal and of mu out. Both follow from one matrix per (b, g),
+//   D[b, g, x0, y0, x1, y1] = sum over offsets (ii, ji) whose output positions
+//       i0 = (x0 + ph - ii*dh) / sh, i1 = (x1 + ph - ii*dh) / sh (exact, in [0, Ho)),
+//       j0, j1 likewise, exist: grad_S[b, g, i0, j0, i1, j1],
+// the adjoint of the two-sided strided box filter (S reads the padded channel sum of
+// gamma + mu (x) mu through it). Then dL/dgamma[b, ci, x, (ci,) x'] = D[b, g(ci), x, x']
+// and, because the mu part of S is the same box filter applied to sum_ci mu (x) mu,
+//   dL/dmu[b, ci, x] = sum over z linked to x of (D[x, z] + D[z, x]) * mu[b, ci, z],
+// where z is linked to x when some offset reads both (x, z) for one pair of outputs:
+// exactly the terms of the forward. Unlinked pairs are skipped, not multiplied by a zero
+// D, so an Inf in mu reaches only what it reaches in the forward (SPEC section 1).
+
+// Output index of input coordinate x seen through kernel offset k (k * dil), or -1.
+__device__ __forceinline__ int out_index(int x, int pad, int kd, int s, int n_out) {
+  const int a = x + pad - kd;
+  if (a < 0) return -1;
+  const int i = s == 1 ? a : a / s;
+  return (i * s == a && i < n_out) ? i : -1;
+}
+
+// L[u, v] of one axis (H x H rows, then W x W columns): whether input coordinates u and v
+// are read by one kernel offset for some pair of outputs. Tiny; read from L1 by cc_vjp_mu.
+template <typename Acc>
+__global__ void __launch_bounds__(THREADS) cc_vjp_link(const Args a) {
+  const int H = (int)a.H, W = (int)a.W;
+  unsigned char* L = (unsigned char*)a.lnk;
+  for (i64 idx = thread_index(); idx < a.n; idx += grid_stride()) {
+    const bool rows = idx < (i64)H * H;
+    const int n = rows ? H : W, e = (int)(rows ? idx : idx - (i64)H * H);
+    const int u = e / n, v = e - (e / n) * n;
+    const int k = (int)(rows ? a.kh : a.kw), d = (int)(rows ? a.dh : a.dw);
+    const int s = (int)(rows ? a.sh : a.sw), p = (int)(rows ? a.ph : a.pw);
+    const int no = (int)(rows ? a.Ho : a.Wo);
+    unsigned char linked = 0;
+    for (int o = 0; o < k && !linked; ++o)
+      linked = out_index(u, p, o * d, s, no) >= 0 && out_index(v, p, o * d, s, no) >= 0;
+    L[idx] = linked;
+  }
+}
+
+// D for V consecutive (x1, y1) of one (b, g, x0, y0) a thread, gathered from grad_S
+// (any strides and dtype: run-time typed loads, mostly L2 hits: grad_S is Ci/G times
+// smaller than grad_gamma). Then the memory-bound part: the same V values, rounded once
+// into Tg, stored with streaming 16-byte stores into the channel-diagonal of grad_gamma
+// for a chunk of the group's channels (a.chunk of them; a.nchunk chunks), and, when mu's
+// gradient is wanted, D itself (Acc, contiguous) by the chunk-0 threads.
+// V > 1 only when (x1, y1) is contiguous in grad_gamma and aligned (checked on the host).
+template <typename Tg, typename Acc, int V>
+__global__ void __launch_bounds__(THREADS) cc_vjp_gamma(const Args a) {
+  const int H = (int)a.H, W = (int)a.W, HW = H * W, nqv = HW / V;
+  const int Ho = (int)a.Ho, Wo = (int)a.Wo, kh = (int)a.kh, kw = (int)a.kw;
+  const int sh = (int)a.sh, sw = (int)a.sw, ph = (int)a.ph, pw = (int)a.pw;
+  const int dh = (int)a.dh, dw = (int)a.dw, dt = (int)a.dt_gs;
+  const void* gs = (const void*)a.gs;
+  Tg* gg = (Tg*)a.gg;
+  Acc* D = (Acc*)a.dsc;
+  for (i64 idx = thread_index(); idx < a.n; idx += grid_stride()) {
+    i64 r1, qv, r2, p64, bg, ch, b, g;
+    divmod(idx, nqv, r1, qv);  // neighbouring threads: neighbouring (x1, y1)
+    divmod(r1, HW, r2, p64);
+    divmod(r2, a.nchunk, bg, ch);
+    divmod(bg, a.G, b, g);
+    const int p = (int)p64, x0 = p / W, y0 = p - x0 * W, q = (int)qv * V;
+    int x1[V], y1[V];
+#pragma unroll
+    for (int e = 0; e < V; ++e) { x1[e] = (q + e) / W; y1[e] = q + e - x1[e] * W; }
+    Acc s[V];
+#pragma unroll
+    for (int e = 0; e < V; ++e) s[e] = (Acc)0;
+    const i64 ob = b * a.ss0 + g * a.ss1;
+    for (int ii = 0; ii < kh; ++ii) {
+      const int i0 = out_index(x0, ph, ii * dh, sh, Ho);
+      if (i0 < 0) continue;
+      int i1[V];
+#pragma unroll
+      for (int e = 0; e < V; ++e) i1[e] = out_index(x1[e], ph, ii * dh, sh, Ho);
+      for (int ji = 0; ji < kw; ++ji) {
+        const int j0 = out_index(y0, pw, ji * dw, sw, Wo);
+        if (j0 < 0) continue;
+        const i64 o0 = ob + i0 * a.ss2 + j0 * a.ss3;
+        Acc v[V];
+#pragma unroll
+        for (int e = 0; e < V; ++e) {  // V loads in flight; absent terms are not read
+          const int j1 = out_index(y1[e], pw, ji * dw, sw, Wo);
+          v[e] = (i1[e] >= 0 && j1 >= 0) ? ld_any<Acc, 0>(gs, o0 + i1[e] * a.ss4 + j1 * a.ss5, dt)
+                                         : (Acc)0;
+        }
+#pragma unroll
+        for (int e = 0; e < V; ++e) s[e] = aadd(s[e], v[e]);
+      }
+    }
+    if (gg) {
+      Tg t[V];
+#pragma unroll
+      for (int e = 0; e < V; ++e) Cv<Acc>::to(t[e], s[e]);  // rounded once, stored Cg times
+      const i64 c_first = g * a.Cg + ch * a.chunk;
+      const i64 c_end = lmin(c_first + a.chunk, (g + 1) * a.Cg);
+      i64 og = b * a.sgg0 + c_first * a.sgg1 + x0 * a.sgg2 + y0 * a.sgg3;
+      og += V > 1 ? (i64)q : x1[0] * a.sgg4 + y1[0] * a.sgg5;
+      for (i64 c = c_first; c < c_end; ++c, og += a.sgg1) stv<Tg, V, 1>(gg + og, t);
+    }
+    if (D && ch == 0) stv<Acc, V, 0>(D + (bg * HW + p) * HW + q, s);
+  }
+}
+
+// dL/dmu[b, ci, x0, y0] for up to MU_CPT channels of one group a thread (neighbouring
+// threads: neighbouring (x0, y0), one channel block: mu's loads are warp broadcasts, the
+// D[z, x] loads coalesced, the D[x, z] row reused from L1 along z). Any strides and
+// dtypes for mu and grad_mu (run-time typed). Unlinked (x, z) are skipped (see above).
+#define MU_CPT 8
+template <typename Acc>
+__global__ void __launch_bounds__(THREADS) cc_vjp_mu(const Args a) {
+  const int H = (int)a.H, W = (int)a.W, HW = H * W, dt_mu = (int)a.dt_mu, dt_gm = (int)a.dt_gm;
+  const i64 ncb = (a.Cg + MU_CPT - 1) / MU_CPT;
+  const Acc* D = (const Acc*)a.dsc;
+  const unsigned char* Lh = (const unsigned char*)a.lnk;
+  const unsigned char* Lw = Lh + (i64)H * H;
+  const void* mu = (const void*)a.mu;
+  void* gm = (void*)a.gm;
+  for (i64 idx = thread_index(); idx < a.n; idx += grid_stride()) {
+    i64 r1, p64, bg, cb, b, g;
+    divmod(idx, HW, r1, p64);
+    divmod(r1, ncb, bg, cb);
+    divmod(bg, a.G, b, g);
+    const int p = (int)p64, x0 = p / W, y0 = p - x0 * W;
+    const i64 c_first = g * a.Cg + cb * MU_CPT;
+    const int nc = (int)lmin(MU_CPT, (g + 1) * a.Cg - c_first);
+    const Acc* Drow = D + (bg * HW + p) * HW;  // D[x, z]
+    const Acc* Dcol = D + bg * HW * HW + p;    // D[z, x] at z * HW
+    const i64 om = b * a.sm0 + c_first * a.sm1;
+    Acc s[MU_CPT];
+#pragma unroll
+    for (int c = 0; c < MU_CPT; ++c) s[c] = (Acc)0;
+    for (int x1 = 0; x1 < H; ++x1) {
+      if (!Lh[x0 * H + x1]) continue;
+      const unsigned char* lw = Lw + y0 * W;
+      for (int y1 = 0; y1 < W; ++y1) {
+        if (!lw[y1]) continue;
+        const int z = x1 * W + y1;
+        const Acc k = aadd(ldh<0>(Drow + z), ldh<0>(Dcol + (i64)z * HW));
+        const i64 oz = om + x1 * a.sm2 + y1 * a.sm3;
+        Acc m[MU_CPT];
+#pragma unroll
+        for (int c = 0; c < MU_CPT; ++c) m[c] = c < nc ? ld_any<Acc, 0>(mu, oz + c * a.sm1, dt_mu) : (Acc)0;
+#pragma unroll
+        for (int c = 0; c < MU_CPT; ++c) s[c] = afma(m[c], k, s[c]);
+      }
+    }
+    const i64 og = b * a.sgm0 + c_first * a.sgm1 + x0 * a.sgm2 + y0 * a.sgm3;
+#pragma unroll
+    for (int c = 0; c < MU_CPT; ++c)
+      if (c < nc) st_any<Acc>(gm, og + c * a.sgm1, dt_gm, s[c]);
+  }
+}
 """
 
 _THREADS = 256
@@ -630,6 +801,10 @@ _DIRECT_TERMS = 1 << 22  # below this many S terms, one launch beats two (launch
 # one launch when kh*kw*(Ho*Wo)**2 <= _DIRECT_RATIO * (H*W)**2.
 _DIRECT_RATIO = 2
 _OPTIONS = ("-std=c++14",)
+_MU_CPT = 8  # channels a thread of cc_vjp_mu sums (MU_CPT in SOURCE)
+#: Channels of grad_gamma one cc_vjp_gamma thread stores (None: all of the group's, split
+#: only when that under-fills the device). Not yet measured on the H200: a knob to try.
+_VJP_CHUNK = None
 
 
 def _widths(itemsize):
@@ -642,6 +817,11 @@ def _family_names(family):
     kind, cxx, acc = family
     if kind == "generic":
         return [f"cc_direct<anyt, {acc}>"]
+    if kind == "vjp":  # the backward: grad_gamma stored as cxx (or only D, stored as acc)
+        stores = dict.fromkeys((cxx, acc))
+        return ([f"cc_vjp_gamma<{t}, {acc}, {v}>" for t in stores
+                 for v in _widths({"f16": 2, "bf16": 2, "float": 4, "double": 8}[t])]
+                + [f"cc_vjp_link<{acc}>", f"cc_vjp_mu<{acc}>"])
     size = {"f16": 2, "bf16": 2, "float": 4, "double": 8}[cxx]
     return ([f"cc_gsum<{cxx}, {cxx}, {acc}, {v}>" for v in _widths(size)]
             + [f"cc_gsum<{cxx}, anyt, {acc}, 1>"]
@@ -670,6 +850,33 @@ class _Plan:
         s_pad = -(-s_items * size // _ALIGN) * _ALIGN // size
         self.launches, self.acc = launches, acc
         self.scratch, self.t_offset = s_pad + t_items, s_pad * size
+
+
+class _VjpPlan:
+    """The launches of one backward call signature: cc_vjp_link (the axes' link tables),
+    cc_vjp_gamma (D, grad_gamma), cc_vjp_mu (grad_mu), those needed. Scratch:
+    ``scratch`` accumulation-type elements, D first (``B*G*(H*W)**2``, only when grad_mu
+    is wanted), the link tables (``H*H + W*W`` bytes) at ``lnk_offset`` bytes."""
+
+    __slots__ = ("launches", "scratch", "lnk_offset", "acc")
+
+    def __init__(self, launches, d_items, lnk_bytes, acc):
+        size = 8 if acc == "float64" else 4
+        d_bytes = -(-d_items * size // _ALIGN) * _ALIGN
+        self.launches, self.acc, self.lnk_offset = launches, acc, d_bytes
+        self.scratch = -(-(d_bytes + lnk_bytes) // size) if d_items or lnk_bytes else 0
+
+
+#: Args slots of the backward's addresses, in the order _vjp_pointers returns them.
+_VJP_PTR_SLOTS = tuple(_FIELDS.index(n) for n in ("gs", "gg", "gm", "mu", "dsc", "lnk"))
+
+
+def _vjp_pointers(a, plan, base):
+    """Addresses for the backward's Args (``_VJP_PTR_SLOTS``), scratch at ``base``."""
+    gg, gm = a.grad_gamma_info, a.grad_mu_info
+    d = base if base and gm is not None else 0
+    return (a.grad_S_info.ptr, 0 if gg is None else gg.ptr, 0 if gm is None else gm.ptr,
+            a.mu_info.ptr, d, base + plan.lnk_offset if d else 0)
 
 
 _DOUBLE = struct.Struct("<d")
@@ -872,6 +1079,64 @@ class CupyBackend(Backend):
                                chunk=chunk))
         return _Plan(launches, n_s, B * G * HW * HW, acc)
 
+    def _vjp_plan(self, a, dev):
+        """Launches for one backward call signature (see cc_vjp_gamma in SOURCE)."""
+        B, G, H, W, Ho, Wo = a.B, a.G, a.H, a.W, a.Ho, a.Wo
+        Cg, HW = a.Ci // G, a.H * a.W
+        acc = a.acc
+        acc_cxx, acc_size = _ACC_CXX[acc], 8 if acc == "float64" else 4
+        sms, threads_per_sm = self._sm_threads(dev)
+        capacity = sms * threads_per_sm
+        gg, gm, mi, si = a.grad_gamma_info, a.grad_mu_info, a.mu_info, a.grad_S_info
+        if gg is None:
+            sgg = (0,) * 6
+        else:
+            s = gg.strides
+            sgg = (s[0], s[1] + s[4], s[2], s[3], s[5], s[6]) if a.full_gamma else tuple(s)
+        base = dict(B=B, G=G, Cg=Cg, H=H, W=W, Ho=Ho, Wo=Wo, kh=a.kh, kw=a.kw, sh=a.sh,
+                    sw=a.sw, ph=a.ph, pw=a.pw, dh=a.dh, dw=a.dw,
+                    dt_gs=_DTYPES[si.dtype][0], dt_mu=_DTYPES[mi.dtype][0],
+                    dt_gm=_DTYPES[gm.dtype][0] if gm is not None else 0, nchunk=1, chunk=Cg)
+        base.update({f"ss{i}": v for i, v in enumerate(si.strides)})
+        base.update({f"sgg{i}": v for i, v in enumerate(sgg)})
+        base.update({f"sm{i}": v for i, v in enumerate(mi.strides)})
+        if gm is not None:
+            base.update({f"sgm{i}": v for i, v in enumerate(gm.strides)})
+
+        if gg is not None:  # vectors of grad_gamma (D, 256-byte aligned, follows)
+            cxx, size = _DTYPES[gg.dtype][1], _DTYPES[gg.dtype][2]
+            v = _vector_width(size, HW, sgg[4:], (H, W), sgg[:4], gg.ptr)
+        else:  # only D is stored
+            cxx = acc_cxx
+            v = max(w for w in _widths(acc_size) if HW % w == 0)
+        family = ("vjp", cxx, acc_cxx)
+
+        def launch(name, n, **kw):
+            vals = [0] * len(_FIELDS)
+            for k, val in {**base, "n": n, **kw}.items():
+                vals[_SLOT[k]] = int(val)
+            return _Launch(self._function(name, family, dev), min(-(-n // _THREADS), 2**31 - 1),
+                           array.array("q", vals))
+
+        launches = []
+        if gm is not None:
+            launches.append(launch(f"cc_vjp_link<{acc_cxx}>", H * H + W * W))
+        items = B * G * HW * (HW // v)
+        nchunk = 1
+        if gg is not None:  # split each group's channels when the rows alone under-fill
+            nchunk = max(1, min(Cg, -(-capacity // items)))
+        chunk = -(-Cg // nchunk)
+        if gg is not None and _VJP_CHUNK:  # a tuning override (docs/cupy.md, Backward)
+            chunk = max(1, min(Cg, _VJP_CHUNK))
+        nchunk = -(-Cg // chunk)
+        launches.append(launch(f"cc_vjp_gamma<{cxx}, {acc_cxx}, {v}>", items * nchunk,
+                               nchunk=nchunk, chunk=chunk))
+        if gm is not None:
+            ncb = -(-Cg // _MU_CPT)
+            launches.append(launch(f"cc_vjp_mu<{acc_cxx}>", B * G * ncb * HW))
+        return _VjpPlan(launches, B * G * HW * HW if gm is not None else 0,
+                        H * H + W * W if gm is not None else 0, acc)
+
     # ------------------------------------------------------------ the call
     def _stream(self, p, dev):
         """Raw handle of the stream to launch on: the current stream of the arrays' library."""
@@ -889,13 +1154,16 @@ class CupyBackend(Backend):
             return self._cp.cuda.get_current_stream(dev).ptr
         return 0  # other __cuda_array_interface__ producers: the legacy default stream
 
-    def _scratch(self, p, plan, dev, stream):
-        """S and T in one buffer, allocated stream-ordered on the launch stream: freed
-        right after the launches, the memory is only reused by work queued behind them."""
-        if p.kind == "torch":
+    def _scratch(self, kind, like, plan, dev, stream):
+        """The plan's scratch (S and T; D and the link tables for the backward) in one
+        buffer of ``plan.scratch`` accumulation-type elements, allocated stream-ordered on
+        the launch stream from the arrays' library (torch's caching allocator for torch
+        tensors, like ``like``): freed right after the launches, the memory is only reused
+        by work queued behind them, and a CUDA-graph capture sees no foreign allocation."""
+        if kind == "torch":
             torch = sys.modules["torch"]
             dtype = torch.float64 if plan.acc == "float64" else torch.float32
-            buf = torch.empty(plan.scratch, dtype=dtype, device=p.out.device)
+            buf = torch.empty(plan.scratch, dtype=dtype, device=like.device)
             ptr = buf.data_ptr()
         else:
             cp = self._cp
@@ -905,7 +1173,7 @@ class CupyBackend(Backend):
             else:
                 buf = cp.empty(plan.scratch, dtype=plan.acc)
             ptr = buf.data.ptr
-        return buf, ptr, ptr + plan.t_offset
+        return buf, ptr
 
     def accumulate(self, p) -> None:
         cp = self._cp
@@ -941,8 +1209,9 @@ class CupyBackend(Backend):
                     self._plans.clear()
                 self._plans[key] = plan
             stream = self._stream(p, dev)
-            buf, s_ptr, t_ptr = self._scratch(p, plan, dev, stream) if plan.scratch else (
-                None, 0, 0)
+            buf, s_ptr = self._scratch(p.kind, p.out, plan, dev, stream) if plan.scratch else (
+                None, 0)
+            t_ptr = s_ptr + plan.t_offset
             c_bits = _INT64.unpack(_DOUBLE.pack(p.c_value))[0] if ci is None else 0
             launch_kernel = cp.cuda.driver.launchKernel
             for ln in plan.launches:
@@ -960,6 +1229,55 @@ class CupyBackend(Backend):
                 launch_kernel(ln.func, ln.grid, 1, 1, _THREADS, 1, 1, 0, stream,
                               params.buffer_info()[0], 0)
             del buf  # back to its stream-ordered pool: reuse is ordered after our kernels
+        finally:
+            if switch:
+                runtime.setDevice(prev)
+
+    def patch_moment_vjp(self, a) -> None:
+        """The backward (docs/autograd.md's contract, docs/cupy.md "Backward"): overwrite
+        ``a.grad_mu`` and the channel-diagonal of ``a.grad_gamma`` (each may be None)."""
+        cp = self._cp
+        if cp is None:
+            reason = self._probe()
+            if reason is not None:
+                raise RuntimeError(f"cupy: {reason}")
+            cp = self._cp
+        runtime = cp.cuda.runtime
+        gg, gm, mi, si = a.grad_gamma_info, a.grad_mu_info, a.mu_info, a.grad_S_info
+        prev = runtime.getDevice()
+        dev = a.device[1] if a.device[1] is not None else prev
+        ready = getattr(self._tls, "ready", None)
+        if ready is None:
+            ready = self._tls.ready = set()
+        switch = dev != prev
+        if switch or dev not in ready:
+            runtime.setDevice(dev)
+            ready.add(dev)
+        try:
+            key = ("vjp", dev, a.acc, a.kh, a.kw, a.sh, a.sw, a.ph, a.pw, a.dh, a.dw, a.G,
+                   a.full_gamma, si.dtype, si.shape, si.strides, mi.dtype, mi.shape,
+                   mi.strides,
+                   None if gg is None else (gg.dtype, gg.shape, gg.strides, gg.ptr & 15),
+                   None if gm is None else (gm.dtype, gm.shape, gm.strides))
+            plan = self._plans.get(key)
+            if plan is None:
+                plan = self._vjp_plan(a, dev)
+                if len(self._plans) > 512:
+                    self._plans.clear()
+                self._plans[key] = plan
+            stream = self._stream(a, dev)
+            buf, base = self._scratch(a.kind, a.mu, plan, dev, stream) if plan.scratch else (
+                None, 0)
+            ptrs = _vjp_pointers(a, plan, base)
+            launch_kernel = cp.cuda.driver.launchKernel
+            for ln in plan.launches:
+                args = ln.args[:]
+                for slot, ptr in zip(_VJP_PTR_SLOTS, ptrs):
+                    args[slot] = ptr
+                params = array.array("Q", (args.buffer_info()[0],))
+                launch_kernel(ln.func, ln.grid, 1, 1, _THREADS, 1, 1, 0, stream,
+                              params.buffer_info()[0], 0)
+            del buf  # back to its stream-ordered pool, behind our kernels
         finally:
             if switch:
                 runtime.setDevice(prev)

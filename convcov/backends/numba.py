@@ -30,6 +30,14 @@ How it computes (docs/numba.md has the design notes and the measurements):
   to nearest even. From float64, the value is first rounded to float32 *to odd*, which
   makes the two steps equal to one correct rounding.
 
+The backward (``patch_moment_vjp``, docs/autograd.md) is a second kernel of the same
+build: per chunk of (b, g) pairs, phase 1 gathers the grad_S windows into
+``D[x0, y0, x1, y1]`` (the forward's box filter transposed; padded terms absent) and stores
+it into every channel of the group's gamma gradient (non-temporal stores when large);
+phase 2 forms ``grad_mu`` as dot products of the symmetrised ``D`` with mu's planes (a
+plane holding Inf / NaN takes the reference's products one by one). Sums always in
+float64: one compile.
+
 Threads: the kernel releases the GIL. It relies on a thread-safe Numba threading layer
 (``tbb`` or ``omp``, Numba's default order); if Numba ends up on ``workqueue``, which
 aborts on concurrent use, this module serialises its calls. GNU OpenMP kills a forked
@@ -124,6 +132,32 @@ def _offset(typingctx, ptr, k):
         return builder.gep(args[0], [args[1]])
 
     return ptr(ptr, k), codegen
+
+
+@intrinsic
+def _store_nt(typingctx, ptr, k, value):
+    """``ptr[k] = value`` as a non-temporal store (no read-for-ownership of the line)."""
+    if not isinstance(ptr, types.CPointer) or value != ptr.dtype:
+        return None
+
+    def codegen(context, builder, sig, args):
+        st = builder.store(args[2], builder.gep(args[0], [args[1]]))
+        st.set_metadata("nontemporal", builder.module.add_metadata([ir.IntType(32)(1)]))
+        return context.get_dummy_value()
+
+    return types.none(ptr, k, value), codegen
+
+
+@intrinsic
+def _store_fence(typingctx):
+    """A sequentially consistent fence (mfence on x86): makes the weakly ordered
+    non-temporal stores visible before the parallel region's end."""
+
+    def codegen(context, builder, sig, args):
+        builder.fence("seq_cst")
+        return context.get_dummy_value()
+
+    return types.none(), codegen
 
 
 def _prefetcher(rw):
@@ -688,6 +722,258 @@ _serial = njit(**_jit)(_renamed(_kernel, "_kernel_serial"))
 
 
 # ---------------------------------------------------------------------------------------
+# The backward (docs/autograd.md, "The backend contract"): the adjoint of S.
+
+
+def _window_adder(dec):
+    """A compiled ``add_window`` with grad_S's element decoder built in."""
+
+    def add_window(dst, ptr, off, si, sj, i_lo, i_hi, j_lo, j_hi, pitch, step):
+        """``dst[i*pitch + j*step] += dec(ptr[off + i*si + j*sj])`` over the window
+        ``i_lo <= i < i_hi``, ``j_lo <= j < j_hi`` (the adjoint of reading a window)."""
+        nj = j_hi - j_lo
+        for i in range(i_lo, i_hi):
+            d = _offset(dst, i * pitch + j_lo * step)
+            src = off + i * si + j_lo * sj
+            if step == 1 and sj == 1:
+                for j in range(nj):
+                    d[j] += dec(ptr[src + j])
+            else:
+                for j in range(nj):
+                    d[j * step] += dec(ptr[src + j * sj])
+
+    return njit(**_inner)(add_window)
+
+
+_add_window_keep = _window_adder(_keep)
+_add_window_f16 = _window_adder(_f16_decode)
+_add_window_bf16 = _window_adder(_bf16_decode)
+
+
+@njit(**_inner)
+def _add_window_any(dst, addr, code, off, si, sj, i_lo, i_hi, j_lo, j_hi, pitch, step):
+    if code == F32:
+        _add_window_keep(dst, _f32_at(addr), off, si, sj, i_lo, i_hi, j_lo, j_hi, pitch, step)
+    elif code == F64:
+        _add_window_keep(dst, _f64_at(addr), off, si, sj, i_lo, i_hi, j_lo, j_hi, pitch, step)
+    elif code == F16:
+        _add_window_f16(dst, _u16_at(addr), off, si, sj, i_lo, i_hi, j_lo, j_hi, pitch, step)
+    else:
+        _add_window_bf16(dst, _u16_at(addr), off, si, sj, i_lo, i_hi, j_lo, j_hi, pitch, step)
+
+
+def _plane_storer(enc):
+    """A compiled ``store_plane`` with the encoder of the destination's dtype built in."""
+
+    def store_plane(ptr, off, sx, sy, H, W, src, nt):
+        """``ptr[off + x*sx + y*sy] = enc(src[x*W + y])``: overwrite, rounded once;
+        ``nt``: with non-temporal stores where the plane is contiguous."""
+        if sy == 1 and sx == W:
+            if nt:
+                for e in range(H * W):
+                    _store_nt(ptr, off + e, enc(src[e]))
+            else:
+                for e in range(H * W):
+                    ptr[off + e] = enc(src[e])
+            return
+        for x in range(H):
+            s = _offset(src, x * W)
+            base = off + x * sx
+            if sy == 1:
+                for y in range(W):
+                    ptr[base + y] = enc(s[y])
+            else:
+                for y in range(W):
+                    ptr[base + y * sy] = enc(s[y])
+
+    return njit(**_inner)(store_plane)
+
+
+_store_plane_f32 = _plane_storer(_f32_encode)
+_store_plane_f64 = _plane_storer(_f64_encode)
+_store_plane_f16 = _plane_storer(_f16_encode)
+_store_plane_bf16 = _plane_storer(_bf16_encode)
+
+
+@njit(**_inner)
+def _store_plane_any(addr, code, off, sx, sy, H, W, src, nt=False):
+    if code == F32:
+        _store_plane_f32(_f32_at(addr), off, sx, sy, H, W, src, nt)
+    elif code == F64:
+        _store_plane_f64(_f64_at(addr), off, sx, sy, H, W, src, nt)
+    elif code == F16:
+        _store_plane_f16(_u16_at(addr), off, sx, sy, H, W, src, nt)
+    else:
+        _store_plane_bf16(_u16_at(addr), off, sx, sy, H, W, src, nt)
+
+
+@njit(**_inner)
+def _mu_grad_exact(mub, x0, y0, s_at, prm):
+    """grad_mu at (x0, y0) for a mu plane ``mub`` with an Inf or NaN: the sum over kernel
+    offsets o and positions p with X_o(p) = (x0, y0), q with X_o(q) inside, of
+    ``mu[X_o(q)] * (grad_S[p, q] + grad_S[q, p])``, product by product as the numpy
+    reference forms them, so that Inf * 0 and Inf - Inf give NaN exactly where it does
+    (the fast path's factored sums would not). Rare: scalar loads are fine."""
+    H, W, Ho, Wo = prm[3], prm[4], prm[5], prm[6]
+    kh, kw, sh, sw, ph, pw, dh, dw = (prm[7], prm[8], prm[9], prm[10], prm[11], prm[12],
+                                      prm[13], prm[14])
+    s_addr, s_code, s_i0, s_j0, s_i1, s_j1 = (prm[16], prm[17], prm[20], prm[21], prm[22],
+                                              prm[23])
+    v = 0.0
+    for ii in range(kh):
+        r = x0 + ph - ii * dh
+        if r < 0 or r % sh != 0 or r // sh >= Ho:
+            continue
+        i0 = r // sh
+        i1_lo, i1_hi = _inside(ii * dh - ph, sh, H, Ho)
+        for ji in range(kw):
+            q = y0 + pw - ji * dw
+            if q < 0 or q % sw != 0 or q // sw >= Wo:
+                continue
+            j0 = q // sw
+            j1_lo, j1_hi = _inside(ji * dw - pw, sw, W, Wo)
+            for i1 in range(i1_lo, i1_hi):
+                for j1 in range(j1_lo, j1_hi):
+                    t = (_load(s_addr, s_code, s_at + i0 * s_i0 + j0 * s_j0 + i1 * s_i1
+                               + j1 * s_j1)
+                         + _load(s_addr, s_code, s_at + i1 * s_i0 + j1 * s_j0 + i0 * s_i1
+                                 + j0 * s_j1))
+                    v += mub[(i1 * sh + ii * dh - ph) * W + j1 * sw + ji * dw - pw] * t
+    return v
+
+
+@njit(fastmath={"reassoc", "contract"}, **_inner)
+def _dot(a, b, n):
+    """sum of a[e] * b[e]: reassociation allowed (vectorised; no finite-math assumption,
+    so NaN and Inf propagate)."""
+    v = 0.0
+    for e in range(n):
+        v += a[e] * b[e]
+    return v
+
+
+@njit(fastmath={"reassoc"}, **_inner)
+def _all_finite(a, n):
+    z = 0.0
+    for e in range(n):
+        z += a[e] * 0.0
+    return z == 0.0
+
+
+# The backward kernel's ``prm`` vector. Addresses in bytes, strides in elements;
+# grad_gamma's strides are those of its channel diagonal; code ABSENT: not wanted.
+_VJP_PRM = ("B Ci G H W Ho Wo kh kw sh sw ph pw dh dw pairs "
+            "s_addr s_code s_b s_g s_i0 s_j0 s_i1 s_j1 "
+            "m_addr m_code m_b m_c m_x m_y "
+            "gg_addr gg_code gg_b gg_c gg_x0 gg_y0 gg_x1 gg_y1 "
+            "gm_addr gm_code gm_b gm_c gm_x gm_y nt").split()
+
+
+def _vjp_kernel(prm, D):
+    """Overwrite grad_gamma's channel diagonal and grad_mu from grad_S. ``D`` (float64)
+    holds, per (b, g) pair of a chunk, dGamma[x0, y0, x1, y1], the gradient of the group's
+    channel sum of gamma's diagonal (and of the mu outer product: the same windows)."""
+    B, Ci, G, H, W, Ho, Wo = prm[0], prm[1], prm[2], prm[3], prm[4], prm[5], prm[6]
+    kh, kw, sh, sw, ph, pw, dh, dw = (prm[7], prm[8], prm[9], prm[10], prm[11], prm[12],
+                                      prm[13], prm[14])
+    pairs = prm[15]
+    s_addr, s_code, s_b, s_g, s_i0, s_j0, s_i1, s_j1 = (prm[16], prm[17], prm[18], prm[19],
+                                                          prm[20], prm[21], prm[22], prm[23])
+    m_addr, m_code, m_b, m_c, m_x, m_y = prm[24], prm[25], prm[26], prm[27], prm[28], prm[29]
+    gg_addr, gg_code, gg_b, gg_c, gg_x0, gg_y0, gg_x1, gg_y1 = (
+        prm[30], prm[31], prm[32], prm[33], prm[34], prm[35], prm[36], prm[37])
+    gm_addr, gm_code, gm_b, gm_c, gm_x, gm_y = (prm[38], prm[39], prm[40], prm[41], prm[42],
+                                                prm[43])
+    nt = prm[44] != 0  # grad_gamma is large: stream it past the caches
+    Cg, HW = Ci // G, H * W
+    for first in range(0, B * G, pairs):
+        n = min(pairs, B * G - first)
+
+        # Phase 1: the rows D[t, x0, y0, :, :] for all y0, by gathering the grad_S rows
+        # S[i0, j0] whose window (offset ii, ji) lands on (x0, y0): the adjoint of the
+        # forward's box filter. Only windows with both positions inside the input are
+        # added: a term with a padded position is absent, whatever its grad_S value.
+        # Then the block is stored into every channel of the group (rounded once each).
+        for task in prange(n * H):
+            t, x0 = task // H, task % H
+            b, g = (first + t) // G, (first + t) % G
+            blk = _offset(_data(D), task * W * HW)  # D[t, x0, :, :, :]
+            for e in range(W * HW):
+                blk[e] = 0
+            for ii in range(kh):
+                r = x0 + ph - ii * dh
+                if r < 0 or r % sh != 0 or r // sh >= Ho:
+                    continue
+                i0 = r // sh
+                i1_lo, i1_hi = _inside(ii * dh - ph, sh, H, Ho)
+                for y0 in range(W):
+                    row = _offset(blk, y0 * HW)
+                    for ji in range(kw):
+                        q = y0 + pw - ji * dw
+                        if q < 0 or q % sw != 0 or q // sw >= Wo:
+                            continue
+                        j0 = q // sw
+                        j1_lo, j1_hi = _inside(ji * dw - pw, sw, W, Wo)
+                        # D[x1 = i1*sh + ii*dh - ph, y1 = j1*sw + ji*dw - pw] += grad_S[i1, j1]
+                        dst = _offset(row, (ii * dh - ph) * W + ji * dw - pw)
+                        _add_window_any(dst, s_addr, s_code,
+                                        b * s_b + g * s_g + i0 * s_i0 + j0 * s_j0,
+                                        s_i1, s_j1, i1_lo, i1_hi, j1_lo, j1_hi, sh * W, sw)
+            if gg_code != ABSENT:
+                for ci in range(g * Cg, (g + 1) * Cg):
+                    for y0 in range(W):
+                        _store_plane_any(gg_addr, gg_code,
+                                         b * gg_b + ci * gg_c + x0 * gg_x0 + y0 * gg_y0,
+                                         gg_x1, gg_y1, H, W, _offset(blk, y0 * HW), nt)
+                if nt:
+                    _store_fence()
+
+        if gm_code == ABSENT:
+            continue
+        # Phase 2: grad_mu[b, ci, x0, y0] = sum over (x1, y1) of
+        # (D[x0, y0, x1, y1] + D[x1, y1, x0, y0]) * mu[b, ci, x1, y1]: the mu part of S
+        # reads the same windows of the outer product mu x mu as the gamma part reads of
+        # gamma, so its adjoint is this product with the symmetrised D. D is exactly 0 on
+        # the position pairs no offset forms, so for a finite mu plane the plain dot
+        # product is exact. A plane with an Inf or NaN would turn those zeros into
+        # NaN (Inf * 0), and summing grad_S over offsets before multiplying would miss
+        # Inf - Inf: such a plane takes the reference's products one by one.
+        for task in prange(n * H):
+            t, x0 = task // H, task % H
+            b, g = (first + t) // G, (first + t) % G
+            ds_buf = np.empty(W * HW, np.float64)  # DS[y0, x1, y1]: the symmetric rows
+            mu_buf = np.empty(HW, np.float64)
+            acc_buf = np.empty(W, np.float64)
+            ds, mub, acc = _data(ds_buf), _data(mu_buf), _data(acc_buf)
+            Dp = _data(D)
+            blk = _offset(Dp, task * W * HW)
+            for e in range(W * HW):
+                ds[e] = blk[e]
+            for e in range(HW):
+                col = _offset(Dp, (t * HW + e) * HW + x0 * W)
+                for y0 in range(W):
+                    ds[y0 * HW + e] += col[y0]
+            for ci in range(g * Cg, (g + 1) * Cg):
+                for e in range(HW):
+                    mub[e] = 0
+                _add_plane_any(mub, m_addr, m_code, b * m_b + ci * m_c, m_x, m_y, H, W, 1.0)
+                if _all_finite(mub, HW):
+                    for y0 in range(W):
+                        acc[y0] = _dot(_offset(ds, y0 * HW), mub, HW)
+                else:  # the forward's products one by one, as the reference forms them
+                    for y0 in range(W):
+                        acc[y0] = _mu_grad_exact(mub, x0, y0, b * s_b + g * s_g, prm)
+                _store_plane_any(gm_addr, gm_code, b * gm_b + ci * gm_c + x0 * gm_x, 0,
+                                 gm_y, 1, W, acc)
+            # keep the buffers alive while their raw pointers are in use
+            ds_buf[0] = mu_buf[0] = acc_buf[0] = 0
+
+
+_vjp_parallel = njit(parallel=True, **_jit)(_vjp_kernel)
+_vjp_serial = njit(**_jit)(_renamed(_vjp_kernel, "_vjp_kernel_serial"))
+
+
+# ---------------------------------------------------------------------------------------
 # Running it: threading-layer safety.
 
 _lock = threading.Lock()
@@ -712,16 +998,20 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _run(prm, c_value, M) -> None:
+    _call(_parallel, _serial, prm, c_value, M)
+
+
+def _call(parallel, serial, *args) -> None:
     global _layer
     if _forked_after_omp:
-        _serial(prm, c_value, M)
+        serial(*args)
     elif _layer is not None and _layer != "workqueue":
-        _parallel(prm, c_value, M)  # GIL released: concurrent calls really run at once
+        parallel(*args)  # GIL released: concurrent calls really run at once
     else:
         # Until the layer is known (the first call chooses it) and for ever on workqueue,
         # one call at a time.
         with _lock:
-            _parallel(prm, c_value, M)
+            parallel(*args)
             _layer = _current_layer()
 
 
@@ -733,6 +1023,10 @@ CHUNK_BYTES = 4 << 20
 PREFETCH_BYTES = 8 << 10
 #: Below this many bytes of channel diagonals the data sit in cache: no prefetching.
 PREFETCH_FROM_BYTES = 8 << 20
+
+#: From this many bytes of grad_gamma's channel diagonal on, the backward writes it with
+#: non-temporal stores (measured on the ``cpu`` shapes, docs/numba.md).
+STREAM_FROM_BYTES = 8 << 20
 
 _F32_MAX = float(np.finfo(np.float32).max)
 _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
@@ -781,5 +1075,27 @@ class NumbaBackend(Backend):
         assert len(prm) == len(_PRM)
         _run(prm, acc(c_value), np.empty(pairs * plane, acc))
 
+
+    def patch_moment_vjp(self, a) -> None:
+        # Sums in float64 whatever the dtypes ("acc or wider"): one compiled kernel, and
+        # the backward's arithmetic is far from its memory traffic (docs/numba.md).
+        s, m = a.grad_S_info, a.mu_info
+        gg, gm = a.grad_gamma_info, a.grad_mu_info
+        if a.grad_gamma is None:
+            gg_part = (0, ABSENT, 0, 0, 0, 0, 0, 0)
+        else:
+            gg_part = ((gg.ptr, _CODE[gg.dtype])
+                       + (_diagonal(gg.strides) if a.full_gamma else tuple(gg.strides)))
+        gm_part = ((0, ABSENT, 0, 0, 0, 0) if a.grad_mu is None
+                   else (gm.ptr, _CODE[gm.dtype], *gm.strides))
+        plane = (a.H * a.W) ** 2
+        pairs = max(1, min(a.B * a.G, CHUNK_BYTES // max(plane * 8, 1)))
+        nt = int(gg_part[1] != ABSENT
+                 and a.B * a.Ci * plane * _ITEMSIZE[gg.dtype] >= STREAM_FROM_BYTES)
+        prm = np.array((a.B, a.Ci, a.G, a.H, a.W, a.Ho, a.Wo, a.kh, a.kw, a.sh, a.sw,
+                        a.ph, a.pw, a.dh, a.dw, pairs, s.ptr, _CODE[s.dtype], *s.strides,
+                        m.ptr, _CODE[m.dtype], *m.strides, *gg_part, *gm_part, nt), np.int64)
+        assert len(prm) == len(_VJP_PRM)
+        _call(_vjp_parallel, _vjp_serial, prm, np.empty(pairs * plane, np.float64))
 
 backend = NumbaBackend()

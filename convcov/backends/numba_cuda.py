@@ -28,6 +28,14 @@ positions), ``S`` is the kh x kw box filter of ``T`` along each diagonal offset:
   (the seed's toy): one block per (b, g, slice of output channels) builds that group's
   whole ``T`` in dynamic shared memory, sized at launch, then writes ``out`` from it.
 
+The backward (``patch_moment_vjp``, docs/autograd.md; not yet run on a GPU) is two
+gathers with no scratch and no atomics: ``_vjp_gamma_kernel`` (one block per row
+(b, g, x0, y0) of the gradient of the group's gamma sum; each thread sums the <= kh*kw
+grad_S values that read its (x1, y1) and stores the rounded value to every channel of the
+group, coalesced) and ``_vjp_mu_kernel`` (a thread per input position and four channels
+of one group; for each offset that reads the position, a loop over q of
+mu[X_o(q)] * (grad_S[p, q] + grad_S[q, p])). docs/numba_cuda.md, "Backward", has the rest.
+
 A term with a position in the padding is skipped (SPEC section 1), so NaN/Inf in ``mu``
 never meets a padded zero. Index arithmetic is 64-bit (correct past 2**31 elements).
 Sums run in the accumulation dtype (``Problem.acc``); ``out`` is rounded once into its
@@ -45,7 +53,8 @@ host views (bfloat16 as uint16 bits), so the shared property test can run it on 
 shapes; pointers are then 1-D numpy views of the memory. It is never chosen
 automatically for host arrays (the registry's automatic order for those is numba, numpy).
 
-Must not: copy ``out`` or ``gamma``; synchronise the device; allocate more than ``T``;
+Must not: copy ``out`` or ``gamma``; synchronise the device; allocate more than ``T``
+(the backward allocates nothing);
 import numba.cuda before the backend is used (``import convcov`` stays GPU-free).
 """
 
@@ -73,10 +82,10 @@ except Exception as exc:  # numba-cuda or its CUDA bindings missing: _probe says
 
 #: Threads per block: a multiple of the warp size that lets 8 blocks share a multiprocessor
 #: (2048 threads on every GPU since Volta). The simulator runs one Python thread per CUDA
-#: thread, so it gets small blocks.
-THREADS = 32 if SIM else 256
+#: thread (and polls them all), so it gets small blocks: fewer threads, faster runs.
+THREADS = 8 if SIM else 256
 #: Grid sizes are capped at this many full waves of resident blocks.
-WAVES = 32
+WAVES = 1 if SIM else 32  # the simulator: few blocks, the grid-stride loops do the rest
 #: Dynamic shared memory per block of the two-launch kernels (staged mu of the T kernel:
 #: 2 rows per channel; staged c of the out kernel): small, so it never limits occupancy;
 #: more channels than fit go in chunks.
@@ -486,6 +495,149 @@ if _IMPORT_ERROR is None:
         _fused_body(buf, optr, obase, ost, gptr, gbase, gst, has_g, mptr, mbase, mst,
                     cptr, cbase, cst, has_c, cval, geo, chunk, zero)
 
+    # -------------------------------------------------------------------------------------
+    # The backward (Backend.patch_moment_vjp, docs/autograd.md): two gathers, no atomics,
+    # no scratch. Every output element is written by exactly one thread, once.
+    # -------------------------------------------------------------------------------------
+
+    @cuda.jit(device=True)
+    def _tap(x, pad, k, d, s, n_out):
+        """Output index i with i*s + k*d - pad == x, or -1 when there is none in [0, n_out)."""
+        num = x + pad - k * d
+        if num < 0:
+            return -1
+        i = num // s
+        if i * s != num or i >= n_out:
+            return -1
+        return i
+
+    @cuda.jit(device=True)
+    def _vjp_gamma_rows(sptr, sbase, sst, gptr, gbase, gst, geo, zero):
+        """dΓ[b, g, x0, y0, x1, y1] = sum over offsets (ii, ji) that read that input pair of
+        grad_S[b, g, i0, j0, i1, j1], stored to the channel-diagonal of every channel of
+        group g. One block per row (b, g, x0, y0); threads along (x1, y1): the writes (the
+        bulk of the bytes) are coalesced, and so are the reads of grad_S along (i1, j1)
+        for stride 1. Positions in the padding are never produced: absent terms."""
+        B, G, Cg = geo[0], geo[1], geo[2]
+        H, W, Ho, Wo, kh, kw = geo[4], geo[5], geo[6], geo[7], geo[8], geo[9]
+        sh, sw, ph, pw, dh, dw = geo[10], geo[11], geo[12], geo[13], geo[14], geo[15]
+        HW = H * W
+        tid = cuda.threadIdx.x
+        nt = cuda.blockDim.x
+        gsc = gst[1]
+        blk = cuda.blockIdx.x
+        while blk < B * G * HW:
+            bg = blk // HW
+            q0 = blk - bg * HW
+            b = bg // G
+            g = bg - b * G
+            x0 = q0 // W
+            y0 = q0 - x0 * W
+            srow = sbase + b * sst[0] + g * sst[1]
+            grow = gbase + b * gst[0] + g * Cg * gsc + x0 * gst[2] + y0 * gst[3]
+            q1 = tid
+            while q1 < HW:
+                x1 = q1 // W
+                y1 = q1 - x1 * W
+                s = zero
+                for ii in range(kh):
+                    i0 = _tap(x0, ph, ii, dh, sh, Ho)
+                    i1 = _tap(x1, ph, ii, dh, sh, Ho)
+                    if (i0 >= 0) & (i1 >= 0):
+                        for ji in range(kw):
+                            j0 = _tap(y0, pw, ji, dw, sw, Wo)
+                            j1 = _tap(y1, pw, ji, dw, sw, Wo)
+                            if (j0 >= 0) & (j1 >= 0):
+                                s += _to_acc(sptr[srow + i0 * sst[2] + j0 * sst[3]
+                                                  + i1 * sst[4] + j1 * sst[5]], zero)
+                o = grow + x1 * gst[4] + y1 * gst[5]
+                for ci in range(Cg):  # the same value for each channel of the group
+                    _store(gptr, o, s)
+                    o += gsc
+                q1 += nt
+            blk += cuda.gridDim.x
+
+    @cuda.jit(device=True)
+    def _vjp_mu_rows(sptr, sbase, sst, mptr, mbase, mst, dptr, dbase, dst, geo, zero):
+        """dmu[b, ci, x, y] = sum over offsets o with (x, y) = X_o(p) of
+        sum over q with X_o(q) inside of mu[b, ci, X_o(q)] * (grad_S[p, q] + grad_S[q, p]).
+
+        One block per (b, g, four channels, tile of blockDim input positions); a thread
+        owns one position (x, y) and the four channels (clamped past the group's last,
+        stores dropped): each grad_S pair it loads serves four multiply-adds. Within a
+        warp, the mu loads are uniform (broadcast), grad_S[q, p] is coalesced (consecutive
+        p for stride 1), grad_S[p, q] walks one row per thread (each 32-byte sector serves
+        8 consecutive q from L1)."""
+        B, G, Cg = geo[0], geo[1], geo[2]
+        H, W, Ho, Wo, kh, kw = geo[4], geo[5], geo[6], geo[7], geo[8], geo[9]
+        sh, sw, ph, pw, dh, dw = geo[10], geo[11], geo[12], geo[13], geo[14], geo[15]
+        HW = H * W
+        tid = cuda.threadIdx.x
+        nt = cuda.blockDim.x
+        tiles = (HW + nt - 1) // nt
+        cblocks = (Cg + 3) // 4
+        msc = mst[1]
+        blk = cuda.blockIdx.x
+        while blk < B * G * cblocks * tiles:
+            r = blk // tiles
+            xy = (blk - r * tiles) * nt + tid
+            bg = r // cblocks
+            c_lo = (r - bg * cblocks) * 4
+            b = bg // G
+            g = bg - b * G
+            if xy < HW:
+                x = xy // W
+                y = xy - x * W
+                last = Cg - 1
+                n = min(4, Cg - c_lo)
+                c0 = g * Cg + c_lo
+                o1 = min(c_lo + 1, last) - c_lo
+                o2 = min(c_lo + 2, last) - c_lo
+                o3 = min(c_lo + 3, last) - c_lo
+                mb = mbase + b * mst[0] + c0 * msc
+                srow = sbase + b * sst[0] + g * sst[1]
+                a0 = a1 = a2 = a3 = zero
+                for ii in range(kh):
+                    i0 = _tap(x, ph, ii, dh, sh, Ho)
+                    if i0 < 0:
+                        continue
+                    for ji in range(kw):
+                        j0 = _tap(y, pw, ji, dw, sw, Wo)
+                        if j0 < 0:
+                            continue
+                        sp = srow + i0 * sst[2] + j0 * sst[3]  # grad_S[p, :]
+                        sq = srow + i0 * sst[4] + j0 * sst[5]  # grad_S[:, p]
+                        for i1 in range(Ho):
+                            x1 = i1 * sh + ii * dh - ph
+                            if (x1 < 0) | (x1 >= H):
+                                continue
+                            for j1 in range(Wo):
+                                y1 = j1 * sw + ji * dw - pw
+                                if (y1 < 0) | (y1 >= W):
+                                    continue
+                                t = (_to_acc(sptr[sp + i1 * sst[4] + j1 * sst[5]], zero)
+                                     + _to_acc(sptr[sq + i1 * sst[2] + j1 * sst[3]], zero))
+                                m = mb + x1 * mst[2] + y1 * mst[3]
+                                a0 += _to_acc(mptr[m], zero) * t
+                                a1 += _to_acc(mptr[m + o1 * msc], zero) * t
+                                a2 += _to_acc(mptr[m + o2 * msc], zero) * t
+                                a3 += _to_acc(mptr[m + o3 * msc], zero) * t
+                d = dbase + b * dst[0] + c0 * dst[1] + x * dst[2] + y * dst[3]
+                _store(dptr, d, a0)
+                if n > 1:
+                    _store(dptr, d + dst[1], a1)
+                if n > 2:
+                    _store(dptr, d + 2 * dst[1], a2)
+                if n > 3:
+                    _store(dptr, d + 3 * dst[1], a3)
+            blk += cuda.gridDim.x
+
+    def _vjp_gamma_kernel(sptr, sbase, sst, gptr, gbase, gst, geo, zero):
+        _vjp_gamma_rows(sptr, sbase, sst, gptr, gbase, gst, geo, zero)
+
+    def _vjp_mu_kernel(sptr, sbase, sst, mptr, mbase, mst, dptr, dbase, dst, geo, zero):
+        _vjp_mu_rows(sptr, sbase, sst, mptr, mbase, mst, dptr, dbase, dst, geo, zero)
+
 
 # ---------------------------------------------------------------------------------------
 # Host side: compilation, arrays as (pointer, base, strides), devices, streams, launch.
@@ -511,9 +663,13 @@ def _signature(name, elems, acc):
         args = (nbt.CPointer(A), ptr[0], i64, t6, i64, ptr[1], i64, t4, geo, i64, A)
     elif name == "out":  # out, c
         args = (ptr[0], i64, t6, ptr[1], i64, i64, i64, A, nbt.CPointer(A), geo, i64, A)
-    else:  # fused: out, gamma, mu, c
+    elif name == "fused":  # out, gamma, mu, c
         args = (ptr[0], i64, t6, ptr[1], i64, t6, i64, ptr[2], i64, t4,
                 ptr[3], i64, i64, i64, A, geo, i64, A)
+    elif name == "vjp_gamma":  # grad_S, grad_gamma
+        args = (ptr[0], i64, t6, ptr[1], i64, t6, geo, A)
+    else:  # vjp_mu: grad_S, mu, grad_mu
+        args = (ptr[0], i64, t6, ptr[1], i64, t4, ptr[2], i64, t4, geo, A)
     return nbt.void(*args)
 
 
@@ -528,7 +684,8 @@ def _kernel(name, elems, acc):
                 f64 = acc == "float64"
                 fn = {"t": _t_kernel_f64 if f64 else _t_kernel_f32,
                       "out": _out_kernel_f64 if f64 else _out_kernel_f32,
-                      "fused": _fused_kernel_f64 if f64 else _fused_kernel_f32}[name]
+                      "fused": _fused_kernel_f64 if f64 else _fused_kernel_f32,
+                      "vjp_gamma": _vjp_gamma_kernel, "vjp_mu": _vjp_mu_kernel}[name]
                 if SIM:
                     k = cuda.jit(fn)
                 else:
@@ -556,7 +713,10 @@ class Limits:
 
 
 def _block(n):
-    """Threads per block for rows of ``n`` elements: whole warps, at most THREADS."""
+    """Threads per block for rows of ``n`` elements: whole warps, at most THREADS (the
+    simulator, where each thread is a Python thread, gets exactly ``n``, at most THREADS)."""
+    if SIM:
+        return max(1, min(THREADS, n))
     return max(32, min(THREADS, -(-n // 32) * 32))
 
 
@@ -809,6 +969,47 @@ class NumbaCudaBackend(Backend):
                 cap * abytes, stream,
                 (optr, obase, ost, cptr, cbase, cst, has_c, cval, tptr, geo, cap, zero))
         del tbuf  # freed to the library's stream-ordered pool after the launches
+
+    def patch_moment_vjp(self, a) -> None:
+        """The backward (docs/autograd.md, docs/numba_cuda.md "Backward"): one launch for
+        the gamma gradient, one for the mu gradient, each only when wanted, on the
+        arrays' library's current stream; no scratch, no synchronisation."""
+        if SIM:
+            self._run_vjp(a, None)
+            return
+        dev = a.device[1]
+        if dev is None:
+            self._run_vjp(a, cuda.get_current_device().id)
+            return
+        with cuda.gpus[dev]:
+            self._run_vjp(a, dev)
+
+    def _run_vjp(self, a, dev_id):
+        acc = a.acc
+        zero = np.dtype(acc).type(0) if SIM else 0.0
+        lim = _device_limits(dev_id)
+        stream = None if SIM else _core_stream(_stream_handle(a))
+        G, Cg, HW = a.G, a.Ci // a.G, a.H * a.W
+        geo = (a.B, G, Cg, 0, a.H, a.W, a.Ho, a.Wo, a.kh, a.kw,
+               a.sh, a.sw, a.ph, a.pw, a.dh, a.dw)
+        s_t = _PTR_TYPE[a.grad_S_info.dtype]
+        sptr, sbase, sst = _pointer(a.grad_S, a.grad_S_info)
+        if a.grad_gamma is not None:
+            g_t = _PTR_TYPE[a.grad_gamma_info.dtype]
+            gptr, gbase, gst = _pointer(a.grad_gamma, a.grad_gamma_info)
+            gst = _diag_strides(gst, a.full_gamma)
+            block = _block(HW)
+            _launch("vjp_gamma", (s_t, g_t), acc, dev_id, lim.grid(a.B * G * HW, block),
+                    block, 0, stream, (sptr, sbase, sst, gptr, gbase, gst, geo, zero))
+        if a.grad_mu is not None:
+            m_t, d_t = _PTR_TYPE[a.mu_info.dtype], _PTR_TYPE[a.grad_mu_info.dtype]
+            mptr, mbase, mst = _pointer(a.mu, a.mu_info)
+            dptr, dbase, dst = _pointer(a.grad_mu, a.grad_mu_info)
+            block = _block(HW)
+            n_blocks = a.B * G * -(-Cg // 4) * -(-HW // block)
+            _launch("vjp_mu", (s_t, m_t, d_t), acc, dev_id, lim.grid(n_blocks, block), block,
+                    0, stream, (sptr, sbase, sst, mptr, mbase, mst, dptr, dbase, dst, geo,
+                                zero))
 
 
 backend = NumbaCudaBackend()
