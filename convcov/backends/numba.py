@@ -697,6 +697,14 @@ def _kernel(prm, c_value, M):
                                             b * o_b + (g * Cog + ahead % Cog) * o_c
                                             + i0 * o_i0 + (ahead // Cog) * o_j0,
                                             o_i1, o_j1, Ho, Wo, True)
+                        elif task + 1 < n * Ho and ahead - Wo * Cog < Wo * Cog:
+                            ahead -= Wo * Cog  # the next task's first rows
+                            t2, i2 = (task + 1) // Ho, (task + 1) % Ho
+                            b2, g2 = (first + t2) // G, (first + t2) % G
+                            _prefetch_plane(o_addr, o_code,
+                                            b2 * o_b + (g2 * Cog + ahead % Cog) * o_c
+                                            + i2 * o_i0 + (ahead // Cog) * o_j0,
+                                            o_i1, o_j1, Ho, Wo, True)
                     cc = _like(c_value if c_code == ABSENT else
                                _load(c_addr, c_code, c0 * c_s), M)
                     off = b * o_b + c0 * o_c + i0 * o_i0 + j0 * o_j0
