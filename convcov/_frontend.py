@@ -135,8 +135,10 @@ def _plain_param(v) -> bool:
     return False
 
 
-def _params(kernel_size, stride, padding, dilation, groups):
-    """(G, (kh, kw), weight, (sh, sw), (ph, pw), (dh, dw)), parsed once per distinct set."""
+def conv_params(kernel_size, stride, padding, dilation, groups):
+    """Checked conv parameters ``(G, (kh, kw), weight, (sh, sw), (ph, pw), (dh, dw))``;
+    ``weight`` is ``(Co, Ci // G)`` of a 4-item kernel_size, else None. Parsed once per
+    distinct set of plain-int arguments (small calls cannot afford the parsing)."""
     key = None
     if (_plain_param(kernel_size) and _plain_param(stride) and _plain_param(padding)
             and _plain_param(dilation) and type(groups) is int):
@@ -156,7 +158,7 @@ def _params(kernel_size, stride, padding, dilation, groups):
 
 def normalise(out, gamma, mu, c, kernel_size, stride, padding, dilation, groups) -> Problem:
     """Validate one call and describe it as a :class:`Problem` (no side effects)."""
-    G, (kh, kw), weight, (sh, sw), (ph, pw), (dh, dw) = _params(
+    G, (kh, kw), weight, (sh, sw), (ph, pw), (dh, dw) = conv_params(
         kernel_size, stride, padding, dilation, groups)
 
     mu_i = _arrays.info(mu, "mu")
@@ -341,11 +343,9 @@ def patch_moment(gamma, mu, kernel_size, *, stride=1, padding=0, dilation=1, gro
 
 def check_patch_moment(gamma, mu, kernel_size, stride, padding, dilation, groups, backend):
     """Validate a ``patch_moment`` call; ``(shape of S, dtype name of S, conv parameters)``."""
-    G = _int("groups", groups)
     mu_i = _arrays.info(mu, "mu")
-    if G < 1:
-        raise ShapeError(f"groups: expected >= 1; got {G}")
-    (kh, kw), weight = _kernel(kernel_size, G)
+    G, (kh, kw), weight, (sh, sw), (ph, pw), (dh, dw) = conv_params(
+        kernel_size, stride, padding, dilation, groups)
     if len(mu_i.shape) != 4:
         raise ShapeError(f"mu: expected 4 dims (B, Ci, H, W); got shape {mu_i.shape}")
     B, Ci, H, W = mu_i.shape
@@ -353,9 +353,6 @@ def check_patch_moment(gamma, mu, kernel_size, stride, padding, dilation, groups
         raise ShapeError(f"kernel_size: weight shape expected (Co, Ci // groups, kh, kw) "
                          f"with Ci // groups = {Ci // G} and Co divisible by {G}; "
                          f"got {(*weight, kh, kw)}")
-    sh, sw = _pair("stride", stride, 1)
-    ph, pw = _pair("padding", padding, 0)
-    dh, dw = _pair("dilation", dilation, 1)
     Ho = _out_size(H, kh, sh, ph, dh, "H", "kh")
     Wo = _out_size(W, kw, sw, pw, dw, "W", "kw")
     infos = [mu_i] + ([] if gamma is None else [_arrays.info(gamma, "gamma")])
@@ -484,17 +481,6 @@ class Adjoint:
     def empty(self) -> bool:
         return 0 in (self.B, self.Ci, self.H, self.W) or (self.grad_gamma is None
                                                         and self.grad_mu is None)
-
-
-def conv_params(kernel_size, stride, padding, dilation, groups):
-    """Checked conv parameters ``(G, (kh, kw), weight, stride, padding, dilation)``, each a
-    pair of ints; ``weight`` is ``(Co, Ci // G)`` of a 4-item kernel_size, else None."""
-    G = _int("groups", groups)
-    if G < 1:
-        raise ShapeError(f"groups: expected >= 1; got {G}")
-    k, weight = _kernel(kernel_size, G)
-    return (G, k, weight, _pair("stride", stride, 1), _pair("padding", padding, 0),
-            _pair("dilation", dilation, 1))
 
 
 def patch_moment_vjp(grad_S, mu, kernel_size, *, grad_gamma=None, grad_mu=None, stride=1,

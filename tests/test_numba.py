@@ -26,6 +26,7 @@ numba = pytest.importorskip("numba")
 
 import convcov  # noqa: E402
 from convcov.backends import numba as nbb  # noqa: E402
+from kinds import op_loops  # noqa: E402
 
 pytestmark = [
     pytest.mark.skipif(nbb.backend.unavailable_reason() is not None,
@@ -38,45 +39,13 @@ pytestmark = [
 
 # --------------------------------------------------------------------------- references
 def op_slow(out, gamma, mu, c, k, stride=1, padding=0, dilation=1, groups=1):
-    """The seed's op_slow, generalised to SPEC section 1, as literal float64 loops."""
-    kh, kw = (k, k) if np.isscalar(k) else k
-    sh, sw = (stride, stride) if np.isscalar(stride) else stride
-    ph, pw = (padding, padding) if np.isscalar(padding) else padding
-    dh, dw = (dilation, dilation) if np.isscalar(dilation) else dilation
-    out = np.array(out, np.float64)
-    mu = np.asarray(mu, np.float64)
-    B, Ci, H, W = mu.shape
-    Co, Ho, Wo = out.shape[1], out.shape[2], out.shape[3]
-    full_out = out.ndim == 7
-    diag = None
-    if gamma is not None:
-        gamma = np.asarray(gamma, np.float64)
-        diag = (np.einsum("bcxycuv->bcxyuv", gamma) if gamma.ndim == 7 else gamma)
-    c = np.broadcast_to(np.asarray(c, np.float64), (Co,))
-    Cg, Cog = Ci // groups, Co // groups
-    for b in range(B):
-        for c0 in range(Co):
-            g = c0 // Cog
-            for i0 in range(Ho):
-                for j0 in range(Wo):
-                    for i1 in range(Ho):
-                        for j1 in range(Wo):
-                            s = 0.0
-                            for ci in range(g * Cg, (g + 1) * Cg):
-                                for ii in range(kh):
-                                    for ji in range(kw):
-                                        x0, y0 = i0 * sh + ii * dh - ph, j0 * sw + ji * dw - pw
-                                        x1, y1 = i1 * sh + ii * dh - ph, j1 * sw + ji * dw - pw
-                                        if not (0 <= x0 < H and 0 <= y0 < W
-                                                and 0 <= x1 < H and 0 <= y1 < W):
-                                            continue
-                                        s += mu[b, ci, x0, y0] * mu[b, ci, x1, y1]
-                                        if diag is not None:
-                                            s += diag[b, ci, x0, y0, x1, y1]
-                            idx = ((b, c0, i0, j0, c0, i1, j1) if full_out
-                                   else (b, c0, i0, j0, i1, j1))
-                            out[idx] += c[c0] * s
-    return out
+    """The literal float64 loops of tests/kinds.py, taking convcov's argument forms."""
+    pair = lambda v: (v, v) if np.isscalar(v) else tuple(v)  # noqa: E731
+    f64 = lambda a: None if a is None else np.asarray(a, np.float64)  # noqa: E731
+    out = f64(out)
+    c = np.broadcast_to(f64(c), (out.shape[1],))
+    return op_loops(out, f64(gamma), f64(mu), c, *pair(k), pair(stride), pair(padding),
+                    pair(dilation), groups)
 
 
 def round_exact(d, mant_bits, min_exp, max_finite):

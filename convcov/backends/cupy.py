@@ -1175,7 +1175,8 @@ class CupyBackend(Backend):
             ptr = buf.data.ptr
         return buf, ptr
 
-    def accumulate(self, p) -> None:
+    def _enter(self, device):
+        """(cupy, the device to run on, the device to restore afterwards or None)."""
         cp = self._cp
         if cp is None:  # selection probed another instance (tests): probe this one
             reason = self._probe()
@@ -1183,18 +1184,21 @@ class CupyBackend(Backend):
                 raise RuntimeError(f"cupy: {reason}")
             cp = self._cp
         runtime = cp.cuda.runtime
-        oi, gi, mi, ci = p.out_info, p.gamma_info, p.mu_info, p.c_info
         prev = runtime.getDevice()
-        dev = p.device[1] if p.device[1] is not None else prev
+        dev = device[1] if device[1] is not None else prev
         ready = getattr(self._tls, "ready", None)
         if ready is None:
             ready = self._tls.ready = set()
-        switch = dev != prev
-        if switch or dev not in ready:
+        if dev != prev or dev not in ready:
             # cudaSetDevice also makes the device's primary context current on this
-            # thread, which the driver-level launch below needs (fresh threads have none).
+            # thread, which the driver-level launches need (fresh threads have none).
             runtime.setDevice(dev)
             ready.add(dev)
+        return cp, dev, (prev if dev != prev else None)
+
+    def accumulate(self, p) -> None:
+        cp, dev, prev = self._enter(p.device)
+        oi, gi, mi, ci = p.out_info, p.gamma_info, p.mu_info, p.c_info
         try:
             # The plan depends on everything but the addresses (and their alignment).
             key = (dev, p.acc, p.kh, p.kw, p.sh, p.sw, p.ph, p.pw, p.dh, p.dw, p.G,
@@ -1230,29 +1234,14 @@ class CupyBackend(Backend):
                               params.buffer_info()[0], 0)
             del buf  # back to its stream-ordered pool: reuse is ordered after our kernels
         finally:
-            if switch:
-                runtime.setDevice(prev)
+            if prev is not None:
+                cp.cuda.runtime.setDevice(prev)
 
     def patch_moment_vjp(self, a) -> None:
         """The backward (docs/autograd.md's contract, docs/cupy.md "Backward"): overwrite
         ``a.grad_mu`` and the channel-diagonal of ``a.grad_gamma`` (each may be None)."""
-        cp = self._cp
-        if cp is None:
-            reason = self._probe()
-            if reason is not None:
-                raise RuntimeError(f"cupy: {reason}")
-            cp = self._cp
-        runtime = cp.cuda.runtime
+        cp, dev, prev = self._enter(a.device)
         gg, gm, mi, si = a.grad_gamma_info, a.grad_mu_info, a.mu_info, a.grad_S_info
-        prev = runtime.getDevice()
-        dev = a.device[1] if a.device[1] is not None else prev
-        ready = getattr(self._tls, "ready", None)
-        if ready is None:
-            ready = self._tls.ready = set()
-        switch = dev != prev
-        if switch or dev not in ready:
-            runtime.setDevice(dev)
-            ready.add(dev)
         try:
             key = ("vjp", dev, a.acc, a.kh, a.kw, a.sh, a.sw, a.ph, a.pw, a.dh, a.dw, a.G,
                    a.full_gamma, si.dtype, si.shape, si.strides, mi.dtype, mi.shape,
@@ -1279,8 +1268,8 @@ class CupyBackend(Backend):
                               params.buffer_info()[0], 0)
             del buf  # back to its stream-ordered pool, behind our kernels
         finally:
-            if switch:
-                runtime.setDevice(prev)
+            if prev is not None:
+                cp.cuda.runtime.setDevice(prev)
 
 
 backend = CupyBackend()

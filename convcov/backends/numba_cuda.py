@@ -900,16 +900,21 @@ class NumbaCudaBackend(Backend):
             return f"numba-cuda cannot compile here (numpy {np.__version__}): {exc!r}"
         return None
 
-    def accumulate(self, p) -> None:
+    @staticmethod
+    def _on_device(run, call) -> None:
+        """run(call, device id) on the call's device (None under the simulator)."""
         if SIM:
-            self._run(p, None)
+            run(call, None)
             return
-        dev = p.device[1]
+        dev = call.device[1]
         if dev is None:  # a CUDA array of unknown device: Numba's current one
-            self._run(p, cuda.get_current_device().id)
+            run(call, cuda.get_current_device().id)
             return
         with cuda.gpus[dev]:
-            self._run(p, dev)
+            run(call, dev)
+
+    def accumulate(self, p) -> None:
+        self._on_device(self._run, p)
 
     def _run(self, p, dev_id):
         acc = p.acc
@@ -974,15 +979,7 @@ class NumbaCudaBackend(Backend):
         """The backward (docs/autograd.md, docs/numba_cuda.md "Backward"): one launch for
         the gamma gradient, one for the mu gradient, each only when wanted, on the
         arrays' library's current stream; no scratch, no synchronisation."""
-        if SIM:
-            self._run_vjp(a, None)
-            return
-        dev = a.device[1]
-        if dev is None:
-            self._run_vjp(a, cuda.get_current_device().id)
-            return
-        with cuda.gpus[dev]:
-            self._run_vjp(a, dev)
+        self._on_device(self._run_vjp, a)
 
     def _run_vjp(self, a, dev_id):
         acc = a.acc
