@@ -9,6 +9,12 @@ measured in the same run; ``fraction`` = floor / time (1.0 = at the memory floor
 same run times the plain PyTorch expression (:mod:`convcov.torch_expr`) eagerly and under
 ``torch.compile`` on the same arrays.
 
+With ``grad=True`` (``convcov bench --grad``) it also times forward + backward through
+torch autograd (gradients of gamma, mu and c) for every backend with a backward and for
+``torch.compile`` of the plain expression: rows ``"<impl> fwd+bwd"``, whose floor adds what
+the backward must move at least (one read of the gradient of out's channel-diagonal, one
+write of gamma's channel-diagonal gradient and of mu's).
+
 Host timings use ``time.perf_counter``; CUDA timings use CUDA events around each call,
 with the queue drained before it, so a small call's time includes its Python dispatch.
 Inputs are small positive numbers so that hundreds of repeated accumulations stay finite
@@ -53,6 +59,13 @@ class Workload:
         mu = self.B * self.Ci * self.H**2
         out = self.B * self.Co * self.Ho**4
         return size * (gamma + mu + 2 * out + self.Co)
+
+    def fwd_bwd_floor_bytes(self) -> int:
+        """The forward's bytes plus the backward's least: read the gradient of out's
+        channel-diagonal, write gamma's channel-diagonal gradient and mu's gradient."""
+        size = np.dtype(self.dtype).itemsize
+        extra = self.B * (self.Co * self.Ho**4 + self.Ci * self.H**4 + self.Ci * self.H**2)
+        return self.floor_bytes() + size * extra
 
 
 #: SPEC section 5's reference workloads.
@@ -244,16 +257,75 @@ def _impls(dev, backends, with_torch):
     return impls
 
 
+def _grad_impls(dev, backends, with_torch):
+    """Forward + backward through torch autograd: (out, leaves, G, w) -> gradients."""
+    try:
+        import torch
+
+        from convcov import torch_expr
+    except ImportError:
+        return {}
+    impls = {}
+    for row in convcov.backends():
+        b = _registry.get(row.name)
+        if (row.available and b.device == dev.name and (not backends or row.name in backends)
+                and type(b).patch_moment_vjp is not _registry.Backend.patch_moment_vjp):
+            impls[f"{row.name} fwd+bwd"] = (lambda name: lambda out, leaves, G, w: (
+                torch.autograd.grad(convcov.accumulate(out, *leaves, w.k, backend=name),
+                                    leaves, G)))(row.name)
+    if with_torch:
+        compiled = torch.compile(torch_expr.accumulate, dynamic=False)
+        impls["torch.compile fwd+bwd"] = lambda out, leaves, G, w: torch.autograd.grad(
+            compiled(out, *leaves, w.k, w.k), leaves, G)
+    return impls
+
+
+def _time_grad(dev, w, sets, impls, repeat, budget_s, rows, progress, task):
+    """Rows "<impl> fwd+bwd": out is a fresh alias (detach) of the set's out each call, so
+    no call's graph chains onto the last; gamma, mu and c require grad."""
+    floor_s = w.fwd_bwd_floor_bytes() / dev.bandwidth
+    grads = [dev.torch(dev.rand(x["out"].shape, w.dtype, 1.0)) for x in sets[:1]]
+    views = [dict(out=dev.torch(x["out"]), leaves=[dev.torch(x[k]).detach().requires_grad_()
+                                                   for k in ("gamma", "mu", "c")])
+             for x in sets]
+    turn = [0]
+    for name, impl in impls.items():
+        if progress:
+            progress.update(task, description=f"{w.name} / {name}")
+
+        def call():
+            turn[0] = (turn[0] + 1) % len(views)
+            v = views[turn[0]]
+            impl(v["out"].detach(), v["leaves"], grads[0], w)
+
+        try:
+            for _ in range(3):
+                call()
+            ts = dev.time_calls(call, repeat, budget_s)
+        except Exception as exc:
+            rows.append(Row(w.name, f"{name} (failed: {type(exc).__name__}: {exc})"[:120],
+                            float("nan"), floor_s * 1e6, float("nan"), None, 0))
+        else:
+            med = statistics.median(ts)
+            rows.append(Row(w.name, name, med * 1e6, floor_s * 1e6, floor_s / med, None,
+                            len(ts)))
+        if progress:
+            progress.advance(task)
+    del grads, views
+
+
 def run(device="cpu", workloads=None, backends=None, with_torch=True, repeat=200,
-        budget_s=3.0, progress=None) -> dict:
+        budget_s=3.0, progress=None, grad=False) -> dict:
     """Measure; returns a JSON-ready dict (machine, date, bandwidth, rows)."""
     dev = _Cuda() if device == "cuda" else _Host()
     chosen = [w for w in WORKLOADS if w.device in (device, "both")
               and (not workloads or w.name in workloads)]
-    bandwidth = dev.copy_bandwidth()
+    bandwidth = dev.bandwidth = dev.copy_bandwidth()
     impls = _impls(dev, backends, with_torch)
+    gimpls = _grad_impls(dev, backends, with_torch) if grad else {}
     rows = []
-    task = progress.add_task("bench", total=len(chosen) * len(impls)) if progress else None
+    task = (progress.add_task("bench", total=len(chosen) * (len(impls) + len(gimpls)))
+            if progress else None)
     for w in chosen:
         # Rotate among input sets whose bytes outgrow the last-level caches, so repeated
         # calls are not served from cache (toy is latency-bound: one set).
@@ -293,6 +365,8 @@ def run(device="cpu", workloads=None, backends=None, with_torch=True, repeat=200
             rows.append(Row(w.name, name, med * 1e6, floor_s * 1e6, floor_s / med, err, len(ts)))
             if progress:
                 progress.advance(task)
+        if gimpls:
+            _time_grad(dev, w, sets, gimpls, repeat, budget_s, rows, progress, task)
         del a, sets
     return dict(
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

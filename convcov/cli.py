@@ -84,7 +84,7 @@ def cmd_bench(args):
     for device in devices:
         with _progress(console) as progress:
             result = bench.run(device, args.workload, args.backend, not args.no_torch,
-                               args.repeat, args.budget, progress)
+                               args.repeat, args.budget, progress, args.grad)
         console.print(bench.table(result))
         results.append(result)
     if args.json:
@@ -154,6 +154,8 @@ def main(argv=None):
     b.add_argument("--no-torch", action="store_true", help="skip the torch / torch.compile rows")
     b.add_argument("--repeat", type=int, default=200, help="timed calls per row, at most")
     b.add_argument("--budget", type=float, default=3.0, help="seconds per row, at most")
+    b.add_argument("--grad", action="store_true",
+                   help="also time forward + backward through torch autograd (needs torch)")
     b.add_argument("--json", help="also write the results to this JSON file")
     b.add_argument("--plot", metavar="PATH",
                    help="also draw fraction of floor per backend and workload (.png, .svg, "

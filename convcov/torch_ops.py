@@ -17,7 +17,9 @@ Owns three operators in the ``convcov`` namespace of ``torch.library`` and their
   ``CopySlices`` when it is a view) and its old value gets the incoming gradient
   unchanged. Its backward reduces the gradient of ``out``'s channel-diagonal over each
   group's output channels (torch matmuls: read once) into ``grad_S`` and hands that to
-  ``convcov::patch_moment_vjp``.
+  ``convcov::patch_moment_vjp``. When ``c`` requires grad, the forward keeps ``S`` for
+  ``dL/dc`` instead of fusing: ``patch_moment``, then ``out += c * S`` as the backend's 1x1
+  problem whose "gamma" is ``S`` (docs/autograd.md, "What it costs").
 
 Every operator has a fake kernel (shapes and dtypes only), so ``torch.compile`` puts each
 call in the graph as one node, and the autograd formulas are plain torch code that
@@ -192,23 +194,35 @@ class _Accumulate(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, out, gamma, mu, c, a: _Conv):
-        with _C._AutoDispatchBelowAutograd():
-            _accumulate_op.redispatch(a.keyset, out, gamma, mu, c, a.c_value, *a.conv)
-        ctx.mark_dirty(out)
         need_gamma, need_mu, need_c = ctx.needs_input_grad[1:4]
+        S = None
+        with _C._AutoDispatchBelowAutograd():
+            if need_c:
+                # dL/dc needs S. Rather than recompute it in the backward (one more read
+                # of gamma's diagonal, the largest array), the forward keeps it: S by the
+                # backend, then out += c * S by the backend's own kernel, as the 1x1
+                # problem whose "gamma" is S (one channel per group, mu = 0: S' = S
+                # exactly). S is Co / G times smaller than out's diagonal.
+                S = torch.ops.convcov.patch_moment(gamma, mu, *a.conv)
+                B, G, Ho, Wo = S.shape[:4]
+                _accumulate_op.redispatch(a.keyset, out, S, S.new_zeros((B, G, Ho, Wo)), c,
+                                          a.c_value, [1, 1], [1, 1], [0, 0], [1, 1], G,
+                                          a.conv[5])
+            else:
+                _accumulate_op.redispatch(a.keyset, out, gamma, mu, c, a.c_value, *a.conv)
+        ctx.mark_dirty(out)
         ctx.a = a
         ctx.full_out = out.dim() == 7
         ctx.acc = _acc(out, gamma, mu, c)
         ctx.gamma_ndim = 0 if gamma is None else gamma.dim()
         ctx.gamma_dtype = mu.dtype if gamma is None else gamma.dtype
-        # gamma only to recompute S for c's gradient; mu also for its shape and device.
-        ctx.save_for_backward(gamma if need_c else None, mu,
-                              c if (need_gamma or need_mu or need_c) else None)
+        # mu for its gradient, and for its shape and device.
+        ctx.save_for_backward(S, mu, c if (need_gamma or need_mu or need_c) else None)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        gamma, mu, c = ctx.saved_tensors
+        S, mu, c = ctx.saved_tensors
         _, need_gamma, need_mu, need_c, _ = ctx.needs_input_grad
         a, acc = ctx.a, ctx.acc
         grad_gamma = grad_mu = grad_c = None
@@ -229,10 +243,8 @@ class _Accumulate(torch.autograd.Function):
                                        ctx.gamma_ndim if need_gamma else 0, ctx.gamma_dtype,
                                        need_mu, a.conv)
         if need_c:
-            # dL/dc[c0] = sum of grad[:, c0] * S[:, g(c0)]. S is recomputed (one more read
-            # of gamma) rather than kept from the forward, which never materialises it.
-            S = torch.ops.convcov.patch_moment(gamma, mu, *a.conv)
-            S = S.to(acc).view(B, G, grads.shape[3], 1)
+            # dL/dc[c0] = sum of grad[:, c0] * S[:, g(c0)], S kept by the forward.
+            S = S.view(B, G, grads.shape[3], 1)
             per_c0 = torch.matmul(grads, S).sum(0).reshape(Co)
             grad_c = (per_c0 if c.dim() else per_c0.sum()).to(c.dtype)
         return grad, grad_gamma, grad_mu, grad_c, None

@@ -36,3 +36,16 @@ def test_bench_toy_json(tmp_path, capsys):
 def test_bench_rejects_unknown_device():
     with pytest.raises(SystemExit):
         cli.main(["bench", "--device", "tpu"])
+
+
+def test_bench_grad_rows(tmp_path):
+    pytest.importorskip("torch")
+    path = tmp_path / "r.json"
+    cli.main(["bench", "--device", "cpu", "--workload", "toy", "--backend", "numpy",
+              "--no-torch", "--grad", "--repeat", "3", "--budget", "0.1", "--json", str(path)])
+    rows = {r["impl"]: r for r in json.loads(path.read_text())["rows"]}
+    assert set(rows) == {"numpy", "numpy fwd+bwd"}  # a failed row would be named "(failed..."
+    fwd, both = rows["numpy"], rows["numpy fwd+bwd"]
+    assert both["calls"] == 3 and both["median_us"] > 0
+    # The backward's least bytes come on top of the forward's (bench.Workload).
+    assert both["floor_us"] > fwd["floor_us"]

@@ -434,75 +434,60 @@ __global__ void __launch_bounds__(THREADS) cc_gsum(const Args a) {
 }
 
 // ---------------------------------------------------------------- kernel 2: S
-// S[b, g, p0, q] = the kh x kw box filter of T along the diagonal offsets. A block takes
-// THREADS * QT positions q of one row (b, g, p0) (coalesced reads of T and writes of S).
-// T is contiguous, so the term of kernel offset (ii, ji) sits at a fixed distance
-// ii * DI + ji * DJ from the term of (0, 0) whatever the stride: positions whose every
+// S[b, g, p0, q] = the kh x kw box filter of T along the diagonal offsets. One thread an
+// element of S, in S's flat order: consecutive threads take consecutive q (coalesced
+// reads of T, coalesced writes of S) and no thread idles at the end of a row (rows of
+// HoWo elements rarely fill whole blocks: mid's 196 left 62% of a row-per-block tile
+// idle). T is contiguous, so the term of kernel offset (ii, ji) sits at a fixed distance
+// ii * DI + ji * DJ from the term of (0, 0) whatever the stride: elements whose every
 // term is inside the input (the interior) skip the bounds checks; the others check each
 // term (the terms in the padding are skipped: SPEC section 1). The reads hit L2, so the
-// kernel is latency-bound: each thread keeps QT * UNROLL_BOX loads in flight.
-#define UNROLL_BOX 16
+// kernel is latency-bound: each thread issues UNROLL_BOX loads before it sums them.
+#define UNROLL_BOX 9
 template <typename Acc>
 __global__ void __launch_bounds__(THREADS) cc_sbox(const Args a) {
-  enum { QT = 2 };
-  const int H = (int)a.H, W = (int)a.W, Wo = (int)a.Wo, HoWo = (int)(a.Ho * a.Wo);
+  const int H = (int)a.H, W = (int)a.W, Wo = (int)a.Wo;
+  const i64 HoWo = a.Ho * a.Wo;
   const int kh = (int)a.kh, kw = (int)a.kw, sh = (int)a.sh, sw = (int)a.sw;
   const int ph = (int)a.ph, pw = (int)a.pw, dh = (int)a.dh, dw = (int)a.dw;
   const int noff = kh * kw, span_h = (kh - 1) * dh, span_w = (kw - 1) * dw;
   const i64 HW = a.H * a.W, DI = (i64)dh * (W * HW + W), DJ = (i64)dw * (HW + 1);
-  const int qtiles = (HoWo + THREADS * QT - 1) / (THREADS * QT);
   const Acc* T = (const Acc*)a.t;
   Acc* S = (Acc*)a.s;
-  for (i64 tile = blockIdx.x; tile < a.n; tile += gridDim.x) {
-    i64 row, qt, bg, p0;
-    divmod(tile, qtiles, row, qt);
+  for (i64 e = thread_index(); e < a.n; e += grid_stride()) {
+    i64 row, q, bg, p0;
+    divmod(e, HoWo, row, q);
     divmod(row, HoWo, bg, p0);
     const int i0 = (int)p0 / Wo, j0 = (int)p0 - i0 * Wo;
-    const int x0b = i0 * sh - ph, y0b = j0 * sw - pw;  // input position of offset (0, 0)
-    const bool row_in = x0b >= 0 && x0b + span_h < H && y0b >= 0 && y0b + span_w < W;
-    // Tr may point outside T (padding): only the terms found inside are read.
-    const Acc* Tr = T + bg * HW * HW + (i64)(x0b * W + y0b) * HW;
-    int x1b[QT], y1b[QT];
-    bool in_all[QT], live[QT];
-    Acc s[QT];
-#pragma unroll
-    for (int k = 0; k < QT; ++k) {
-      const int q = (int)qt * (THREADS * QT) + k * THREADS + threadIdx.x;
-      live[k] = q < HoWo;
-      const int i1 = q / Wo, j1 = q - i1 * Wo;
-      x1b[k] = i1 * sh - ph; y1b[k] = j1 * sw - pw;
-      in_all[k] = row_in && x1b[k] >= 0 && x1b[k] + span_h < H && y1b[k] >= 0 && y1b[k] + span_w < W;
-      s[k] = (Acc)0;
-    }
+    const int i1 = (int)q / Wo, j1 = (int)q - i1 * Wo;
+    const int x0b = i0 * sh - ph, y0b = j0 * sw - pw;  // input positions of offset (0, 0)
+    const int x1b = i1 * sh - ph, y1b = j1 * sw - pw;
+    const bool in_all = x0b >= 0 && x0b + span_h < H && y0b >= 0 && y0b + span_w < W
+                        && x1b >= 0 && x1b + span_h < H && y1b >= 0 && y1b + span_w < W;
+    // Tq may point outside T (padding): only the terms found inside are read.
+    const Acc* Tq = T + bg * HW * HW + (i64)(x0b * W + y0b) * HW + (x1b * W + y1b);
+    Acc s = (Acc)0;
     int ii = 0, ji = 0;
     i64 off = 0;
     for (int t = 0; t < noff; t += UNROLL_BOX) {
-      Acc tv[QT][UNROLL_BOX];
+      Acc tv[UNROLL_BOX];
 #pragma unroll
       for (int u = 0; u < UNROLL_BOX; ++u) {
-#pragma unroll
-        for (int k = 0; k < QT; ++k) {
-          bool in = live[k] && t + u < noff;
-          if (!in_all[k]) {
-            const int x0 = x0b + ii * dh, x1 = x1b[k] + ii * dh;
-            const int y0 = y0b + ji * dw, y1 = y1b[k] + ji * dw;
-            in = in && (unsigned)x0 < (unsigned)H && (unsigned)x1 < (unsigned)H
-                 && (unsigned)y0 < (unsigned)W && (unsigned)y1 < (unsigned)W;
-          }
-          tv[k][u] = in ? ldh<0>(Tr + (x1b[k] * W + y1b[k]) + off) : (Acc)0;
+        bool in = t + u < noff;
+        if (!in_all) {
+          const int x0 = x0b + ii * dh, x1 = x1b + ii * dh;
+          const int y0 = y0b + ji * dw, y1 = y1b + ji * dw;
+          in = in && (unsigned)x0 < (unsigned)H && (unsigned)x1 < (unsigned)H
+               && (unsigned)y0 < (unsigned)W && (unsigned)y1 < (unsigned)W;
         }
+        tv[u] = in ? ldh<0>(Tq + off) : (Acc)0;
         off += DJ;
         if (++ji == kw) { ji = 0; ++ii; off += DI - kw * DJ; }
       }
 #pragma unroll
-      for (int k = 0; k < QT; ++k)
-#pragma unroll
-        for (int u = 0; u < UNROLL_BOX; ++u) s[k] = aadd(s[k], tv[k][u]);
+      for (int u = 0; u < UNROLL_BOX; ++u) s = aadd(s, tv[u]);
     }
-    Acc* Srow = S + row * HoWo + qt * (THREADS * QT) + threadIdx.x;
-#pragma unroll
-    for (int k = 0; k < QT; ++k)
-      if (live[k]) Srow[k * THREADS] = s[k];
+    S[e] = s;
   }
 }
 
@@ -519,9 +504,15 @@ __global__ void __launch_bounds__(THREADS) cc_sbox(const Args a) {
 // (8-wide vectors, 32-byte S vectors) needs registers for only 2 blocks a
 // multiprocessor at 4 or at 6 (128 registers, nvcc -Xptxas -v): 6 restores the bytes in
 // flight a multiprocessor that 3 blocks of 4 have. (bfloat16's conversions need more
-// registers: 6 would leave 1 block.) The host mirrors this in _stream_su.
+// registers: 6 would leave 1 block.) The host mirrors SU in _plan (_STREAM_SU_F16).
+// STREAM_SU_F16 is a compile-time knob for tuning runs (a -D option). Keep the launch
+// bounds as they are: naming a minimum of 1 block a multiprocessor let nvcc take 90
+// registers instead of 80 for float32 (2 blocks instead of 3): big-f32 6106 -> 6745 us.
+#ifndef STREAM_SU_F16
+#define STREAM_SU_F16 6
+#endif
 template <typename To, typename Acc, int V> struct StreamSU { enum { value = 4 }; };
-template <> struct StreamSU<f16, float, 8> { enum { value = 6 }; };
+template <> struct StreamSU<f16, float, 8> { enum { value = STREAM_SU_F16 }; };
 template <typename To, typename Acc, int V>
 __global__ void __launch_bounds__(THREADS) cc_stream(const Args a) {
   enum { SU = StreamSU<To, Acc, V>::value };
@@ -748,7 +739,9 @@ __global__ void __launch_bounds__(THREADS) cc_vjp_gamma(const Args a) {
 // threads: neighbouring (x0, y0), one channel block: mu's loads are warp broadcasts, the
 // D[z, x] loads coalesced, the D[x, z] row reused from L1 along z). Any strides and
 // dtypes for mu and grad_mu (run-time typed). Unlinked (x, z) are skipped (see above).
-#define MU_CPT 8
+#ifndef MU_CPT
+#define MU_CPT 16
+#endif
 template <typename Acc>
 __global__ void __launch_bounds__(THREADS) cc_vjp_mu(const Args a) {
   const int H = (int)a.H, W = (int)a.W, HW = H * W, dt_mu = (int)a.dt_mu, dt_gm = (int)a.dt_gm;
@@ -801,7 +794,9 @@ _DIRECT_TERMS = 1 << 22  # below this many S terms, one launch beats two (launch
 # one launch when kh*kw*(Ho*Wo)**2 <= _DIRECT_RATIO * (H*W)**2.
 _DIRECT_RATIO = 2
 _OPTIONS = ("-std=c++14",)
-_MU_CPT = 8  # channels a thread of cc_vjp_mu sums (MU_CPT in SOURCE)
+_MU_CPT = 16  # channels a thread of cc_vjp_mu sums (MU_CPT in SOURCE)
+_STREAM_SU_F16 = 6  # cc_stream's vectors in flight for float16 out (STREAM_SU_F16 in SOURCE)
+_STREAM_CHUNK = 1  # output channels a cc_stream tile streams (see _plan)
 #: Channels of grad_gamma one cc_vjp_gamma thread stores (None: all of the group's, split
 #: only when that under-fills the device). Not yet measured on the H200: a knob to try.
 _VJP_CHUNK = None
@@ -1020,7 +1015,11 @@ class CupyBackend(Backend):
             return -(-Cog // chunk), chunk
 
         direct_terms = B * G * HoWo * HoWo * max(Cg, 1) * p.kh * p.kw
-        if direct_terms <= _DIRECT_TERMS or p.kh * p.kw * HoWo * HoWo <= _DIRECT_RATIO * HW * HW:
+        # Large strides: T would cover mostly positions no output reads. (Not when T is
+        # no larger than S, as for 1x1 kernels: the direct kernel's out-update, a loop
+        # over the output channels in each thread, is the slower one on large problems.)
+        sparse_t = HW * HW > HoWo * HoWo and p.kh * p.kw * HoWo * HoWo <= _DIRECT_RATIO * HW * HW
+        if direct_terms <= _DIRECT_TERMS or sparse_t:
             items = B * G * HoWo * HoWo
             nchunk, chunk = chunks(items, capacity)
             # Typed when out, gamma and mu share a dtype (the usual case); else run-time typed.
@@ -1057,8 +1056,7 @@ class CupyBackend(Backend):
         # out is one segment a (b, c0): a plain axpy with S[b, g], vectorised when its
         # length and alignment allow; otherwise one segment per (i0, j0).
         n_s = B * G * HoWo * HoWo
-        sbox_tiles = B * G * HoWo * -(-HoWo // (2 * _THREADS))  # cc_sbox's QT = 2
-        launches.append(launch(f"cc_sbox<{acc_cxx}>", family, sbox_tiles, grid=sbox_tiles))
+        launches.append(launch(f"cc_sbox<{acc_cxx}>", family, n_s))
         if _contiguous(so[2:], (Ho, Wo, Ho, Wo)):
             nseg, seg_len = 1, HoWo * HoWo
             v3 = next((v for v in (8, 4, 2) if v * o_size <= 16 and seg_len % v == 0
@@ -1066,13 +1064,13 @@ class CupyBackend(Backend):
         else:
             nseg, seg_len = HoWo, HoWo
             v3 = _vector_width(o_size, HoWo, (so[4], so[5]), (Ho, Wo), so[:4], oi.ptr)
-        su = 6 if (o_cxx, acc_cxx, v3) == ("f16", "float", 8) else 4  # cc_stream's StreamSU
+        su = _STREAM_SU_F16 if (o_cxx, acc_cxx, v3) == ("f16", "float", 8) else 4  # StreamSU
         tiles = -(-nseg * (seg_len // v3) // (_THREADS * su))
         # Output channels a tile streams. Reading S once for several channels saves S's
         # re-reads (from L2) but leaves fewer, longer tiles: on the H200 (2026-11-30,
         # convcov bench) one channel per tile took big-f32 from 7066 to 6171 µs and
         # big-f16 from 3907 to 3821 µs, mid unchanged. The kernel keeps the parameter.
-        chunk = 1
+        chunk = _STREAM_CHUNK
         ntiles = B * G * -(-Cog // chunk) * tiles
         launches.append(launch(f"cc_stream<{o_cxx}, {acc_cxx}, {v3}>", family, 0,
                                grid=ntiles, nseg=nseg, seg_len=seg_len, tiles=tiles,

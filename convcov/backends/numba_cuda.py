@@ -28,7 +28,7 @@ positions), ``S`` is the kh x kw box filter of ``T`` along each diagonal offset:
   (the seed's toy): one block per (b, g, slice of output channels) builds that group's
   whole ``T`` in dynamic shared memory, sized at launch, then writes ``out`` from it.
 
-The backward (``patch_moment_vjp``, docs/autograd.md; not yet run on a GPU) is two
+The backward (``patch_moment_vjp``, docs/autograd.md; correct on the H200, not yet fast) is two
 gathers with no scratch and no atomics: ``_vjp_gamma_kernel`` (one block per row
 (b, g, x0, y0) of the gradient of the group's gamma sum; each thread sums the <= kh*kw
 grad_S values that read its (x1, y1) and stores the rounded value to every channel of the
