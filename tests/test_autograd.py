@@ -240,6 +240,32 @@ def test_patch_moment_gradients_match_plain_pytorch():
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("full_out", [False, True], ids=["diag_out", "full_out"])
+def test_forward_that_keeps_S_equals_the_fused_forward(vjp_backend, full_out):
+    """With c requiring grad the forward is patch_moment, then the 1x1 problem whose
+    "gamma" is S (docs/autograd.md): out must be what the fused call writes. Backends that
+    accumulate float32 inputs in float32 (all but the float64 reference) sum S in the
+    same order both ways, so the two agree bit for bit."""
+    name, device = vjp_backend
+    torch.manual_seed(3)
+    B, Ci, Co, G, H, k = 2, 4, 6, 2, 6, 3
+    pad = 1 if full_out else 0  # with padding: terms in it are absent on both paths
+    Ho = H + 2 * pad - k + 1
+    shape = (B, Co, Ho, Ho, Co, Ho, Ho) if full_out else (B, Co, Ho, Ho, Ho, Ho)
+    out = torch.rand(shape, device=device)
+    gamma = torch.rand(B, Ci, H, H, H, H, device=device) * 0.1
+    mu = torch.randn(B, Ci, H, H, device=device)
+    c = torch.rand(Co, device=device)
+    kw = dict(padding=pad, groups=G, backend=name)
+    fused = convcov.accumulate(out.clone(), gamma, mu, c, k, **kw)
+    kept = convcov.accumulate(out.clone(), gamma, mu, c.clone().requires_grad_(), k, **kw)
+    assert kept.grad_fn is not None  # the autograd path ran
+    if name == "numpy":  # float64 inside: S is rounded to float32 once more on this path
+        torch.testing.assert_close(kept.detach(), fused, rtol=2e-6, atol=1e-6)
+    else:
+        assert torch.equal(kept.detach(), fused)
+
+
 def test_float32_gradients_close_to_float64():
     """Mixed dtypes: gradients come back in each input's own dtype, sums in float32."""
     case = Case(**GEOMETRIES[0], gamma_form="diag")
