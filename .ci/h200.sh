@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The H200 run (device tool; carry ".whl"): GPU-enabled test suite, then `convcov bench`
+# The H200 run (device tool; carry ".whl"): GPU-enabled test suite, then `convcov bench --grad`
 # on the CUDA workloads. Everything it prints is also written under $OUT.
 #   bash .ci/h200.sh [extra pytest arguments, e.g. -k "cupy or numba_cuda"]
 # numpy 2.4.x is carried as a wheel: numba-cuda 0.30.4 fails with the image's numpy 2.5
@@ -13,5 +13,5 @@ python3 -c "import numpy, torch, cupy, numba, numba_cuda; print('numpy', numpy._
 python3 -m convcov.cli info
 CONVCOV_HYPOTHESIS_PROFILE=${PROFILE:-gpu} timeout ${TEST_TIMEOUT:-300} \
     python3 -m pytest -q -p no:cacheprovider -x -rs "$@" 2>&1 | tee "$OUT/pytest.log"
-[ -n "${SKIP_BENCH:-}" ] || timeout ${BENCH_TIMEOUT:-400} python3 -m convcov.cli bench \
+[ -n "${SKIP_BENCH:-}" ] || timeout ${BENCH_TIMEOUT:-400} python3 -m convcov.cli bench --grad \
     --device cuda --json "$OUT/bench-h200.json" 2>&1 | tee "$OUT/bench.log"
