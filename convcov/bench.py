@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 import convcov
-from convcov import _registry
+from convcov import _frontend, _registry
 
 
 @dataclass(frozen=True)
@@ -269,7 +269,7 @@ def _grad_impls(dev, backends, with_torch):
     for row in convcov.backends():
         b = _registry.get(row.name)
         if (row.available and b.device == dev.name and (not backends or row.name in backends)
-                and type(b).patch_moment_vjp is not _registry.Backend.patch_moment_vjp):
+                and _frontend.has_vjp(b)):
             impls[f"{row.name} fwd+bwd"] = (lambda name: lambda out, leaves, G, w: (
                 torch.autograd.grad(convcov.accumulate(out, *leaves, w.k, backend=name),
                                     leaves, G)))(row.name)
@@ -284,7 +284,7 @@ def _time_grad(dev, w, sets, impls, repeat, budget_s, rows, progress, task):
     """Rows "<impl> fwd+bwd": out is a fresh alias (detach) of the set's out each call, so
     no call's graph chains onto the last; gamma, mu and c require grad."""
     floor_s = w.fwd_bwd_floor_bytes() / dev.bandwidth
-    grads = [dev.torch(dev.rand(x["out"].shape, w.dtype, 1.0)) for x in sets[:1]]
+    G = dev.torch(dev.rand(sets[0]["out"].shape, w.dtype, 1.0))  # the incoming gradient
     views = [dict(out=dev.torch(x["out"]), leaves=[dev.torch(x[k]).detach().requires_grad_()
                                                    for k in ("gamma", "mu", "c")])
              for x in sets]
@@ -296,7 +296,7 @@ def _time_grad(dev, w, sets, impls, repeat, budget_s, rows, progress, task):
         def call():
             turn[0] = (turn[0] + 1) % len(views)
             v = views[turn[0]]
-            impl(v["out"].detach(), v["leaves"], grads[0], w)
+            impl(v["out"].detach(), v["leaves"], G, w)
 
         try:
             for _ in range(3):
@@ -311,7 +311,7 @@ def _time_grad(dev, w, sets, impls, repeat, budget_s, rows, progress, task):
                             len(ts)))
         if progress:
             progress.advance(task)
-    del grads, views
+    del G, views
 
 
 def run(device="cpu", workloads=None, backends=None, with_torch=True, repeat=200,
