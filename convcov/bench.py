@@ -257,6 +257,21 @@ def _impls(dev, backends, with_torch):
     return impls
 
 
+def _row(dev, w, name, call, floor_s, repeat, budget_s, check=None) -> Row:
+    """One row: ``check()`` (the relative error, or no check), warm-up, timed calls. A
+    failing implementation is a row, not a crash."""
+    try:
+        err = check() if check else None
+        for _ in range(3):  # warm-up: compilation, caches, allocator
+            call()
+        ts = dev.time_calls(call, repeat, budget_s)
+    except Exception as exc:
+        return Row(w.name, f"{name} (failed: {type(exc).__name__}: {exc})"[:120],
+                   float("nan"), floor_s * 1e6, float("nan"), None, 0)
+    med = statistics.median(ts)
+    return Row(w.name, name, med * 1e6, floor_s * 1e6, floor_s / med, err, len(ts))
+
+
 def _grad_impls(dev, backends, with_torch):
     """Forward + backward through torch autograd: (out, leaves, G, w) -> gradients."""
     try:
@@ -280,10 +295,10 @@ def _grad_impls(dev, backends, with_torch):
     return impls
 
 
-def _time_grad(dev, w, sets, impls, repeat, budget_s, rows, progress, task):
+def _time_grad(dev, w, sets, impls, bandwidth, repeat, budget_s, rows, progress, task):
     """Rows "<impl> fwd+bwd": out is a fresh alias (detach) of the set's out each call, so
     no call's graph chains onto the last; gamma, mu and c require grad."""
-    floor_s = w.fwd_bwd_floor_bytes() / dev.bandwidth
+    floor_s = w.fwd_bwd_floor_bytes() / bandwidth
     G = dev.torch(dev.rand(sets[0]["out"].shape, w.dtype, 1.0))  # the incoming gradient
     views = [dict(out=dev.torch(x["out"]), leaves=[dev.torch(x[k]).detach().requires_grad_()
                                                    for k in ("gamma", "mu", "c")])
@@ -298,17 +313,7 @@ def _time_grad(dev, w, sets, impls, repeat, budget_s, rows, progress, task):
             v = views[turn[0]]
             impl(v["out"].detach(), v["leaves"], G, w)
 
-        try:
-            for _ in range(3):
-                call()
-            ts = dev.time_calls(call, repeat, budget_s)
-        except Exception as exc:
-            rows.append(Row(w.name, f"{name} (failed: {type(exc).__name__}: {exc})"[:120],
-                            float("nan"), floor_s * 1e6, float("nan"), None, 0))
-        else:
-            med = statistics.median(ts)
-            rows.append(Row(w.name, name, med * 1e6, floor_s * 1e6, floor_s / med, None,
-                            len(ts)))
+        rows.append(_row(dev, w, name, call, floor_s, repeat, budget_s))
         if progress:
             progress.advance(task)
     del G, views
@@ -320,7 +325,7 @@ def run(device="cpu", workloads=None, backends=None, with_torch=True, repeat=200
     dev = _Cuda() if device == "cuda" else _Host()
     chosen = [w for w in WORKLOADS if w.device in (device, "both")
               and (not workloads or w.name in workloads)]
-    bandwidth = dev.bandwidth = dev.copy_bandwidth()
+    bandwidth = dev.copy_bandwidth()
     impls = _impls(dev, backends, with_torch)
     gimpls = _grad_impls(dev, backends, with_torch) if grad else {}
     rows = []
@@ -347,26 +352,15 @@ def run(device="cpu", workloads=None, backends=None, with_torch=True, repeat=200
                 x = rotating()
                 impl(x["out"], x["gamma"], x["mu"], x["c"], w)
 
-            try:
-                # torch.compile is not re-checked: checking would compile a second graph
-                # for the one-batch shape; it compiles the eager expression checked above.
-                err = None if name == "torch.compile" else _check(
-                    dev, w, a, lambda out, g, m, c: impl(out, g, m, c, w))
-                for _ in range(3):  # warm-up: compilation, caches, allocator
-                    call()
-                ts = dev.time_calls(call, repeat, budget_s)
-            except Exception as exc:  # a failing implementation is a row, not a crash
-                rows.append(Row(w.name, f"{name} (failed: {type(exc).__name__}: {exc})"[:120],
-                                float("nan"), floor_s * 1e6, float("nan"), None, 0))
-                if progress:
-                    progress.advance(task)
-                continue
-            med = statistics.median(ts)
-            rows.append(Row(w.name, name, med * 1e6, floor_s * 1e6, floor_s / med, err, len(ts)))
+            # torch.compile is not re-checked: checking would compile a second graph for
+            # the one-batch shape; it compiles the eager expression checked above.
+            check = None if name == "torch.compile" else (
+                lambda impl=impl: _check(dev, w, a, lambda out, g, m, c: impl(out, g, m, c, w)))
+            rows.append(_row(dev, w, name, call, floor_s, repeat, budget_s, check))
             if progress:
                 progress.advance(task)
         if gimpls:
-            _time_grad(dev, w, sets, gimpls, repeat, budget_s, rows, progress, task)
+            _time_grad(dev, w, sets, gimpls, bandwidth, repeat, budget_s, rows, progress, task)
         del a, sets
     return dict(
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

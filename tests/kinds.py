@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import threading
 
 import numpy as np
 
@@ -171,3 +172,43 @@ def tolerance(bound: np.ndarray, n_terms: int, acc: str, out_dtype: str) -> np.n
     ``out`` adds u_out * |result| <= u_out * bound. The factor 2 covers products and FMA.
     """
     return (UNIT[out_dtype] + 2 * (n_terms + 2) * UNIT[acc]) * bound + 1e-300
+
+
+def at_once(n: int, work) -> None:
+    """Run ``work(i, start)`` in ``n`` threads, i = 0 .. n-1; ``start()`` returns once every
+    thread has called it, so the calls that follow overlap. Fails, in the caller's thread,
+    with what any thread raised."""
+    barrier, errors = threading.Barrier(n), []
+
+    def run(i):
+        try:
+            work(i, barrier.wait)
+        except BaseException as exc:  # reported below, in the caller's thread
+            barrier.abort()  # no thread waits for one that has failed
+            errors.append(f"thread {i}: {exc!r}")
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+
+
+def check_absent_terms_in_the_backward(backend: str) -> None:
+    """docs/autograd.md's example: a term with a position in the padding is absent from S,
+    not 0 * value, so a NaN in grad_S reaches only the inputs that S[p, q] really depends
+    on. One row, kernel 3, padding 1: S[0, 2] is mu[0] * mu[2] (offset 1) alone; offset 2
+    pairs mu[1] with the padding, so mu[1] must not see that NaN."""
+    from convcov import _frontend
+
+    mu = np.array([[[[1.0, 2.0, 3.0]]]])
+    grad_S = np.ones((1, 1, 1, 3, 1, 3))
+    grad_S[0, 0, 0, 0, 0, 2] = np.nan
+    grad_mu, grad_gamma = np.empty_like(mu), np.empty((1, 1, 1, 3, 1, 3))
+    _frontend.patch_moment_vjp(grad_S, mu, (1, 3), grad_gamma=grad_gamma, grad_mu=grad_mu,
+                               padding=(0, 1), backend=backend)
+    np.testing.assert_array_equal(np.isnan(grad_mu.ravel()), [True, False, True])
+    nan = np.zeros((3, 3), bool)
+    nan[0, 2] = True
+    np.testing.assert_array_equal(np.isnan(grad_gamma.reshape(3, 3)), nan)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import importlib.util
 import subprocess
 import sys
-import threading
 
 import numpy as np
 import pytest
@@ -21,7 +20,8 @@ import pytest
 import convcov
 from convcov import _registry
 
-from kinds import make, to_f64, tolerance, torch_cuda
+from kinds import (at_once, check_absent_terms_in_the_backward, make, to_f64, tolerance,
+                   torch_cuda)
 
 BACKEND = _registry.get("cupy")
 REASON = BACKEND.unavailable_reason()
@@ -302,31 +302,21 @@ def test_threads_at_once():
         convcov.accumulate(e, g, mu, c, k, backend="cupy", **conv)
         expected.append(e)
     torch.cuda.synchronize()
-    errors, barrier = [], threading.Barrier(len(jobs))
 
-    def work(i):
-        try:
-            out, g, mu, c, k, conv = jobs[i]
-            src = out.clone()
-            stream = torch.cuda.Stream() if i % 2 else torch.cuda.current_stream()
-            torch.cuda.current_stream().synchronize()
-            barrier.wait()
-            with torch.cuda.stream(stream):
-                for _ in range(20):
-                    out.copy_(src)
-                    convcov.accumulate(out, g, mu, c, k, backend="cupy", **conv)
-            stream.synchronize()
-            if not torch.equal(out, expected[i]):
-                errors.append(f"thread {i}: wrong result")
-        except Exception as exc:  # reported below, in the main thread
-            errors.append(f"thread {i}: {exc!r}")
+    def work(i, start):
+        out, g, mu, c, k, conv = jobs[i]
+        src = out.clone()
+        stream = torch.cuda.Stream() if i % 2 else torch.cuda.current_stream()
+        torch.cuda.current_stream().synchronize()
+        start()
+        with torch.cuda.stream(stream):
+            for _ in range(20):
+                out.copy_(src)
+                convcov.accumulate(out, g, mu, c, k, backend="cupy", **conv)
+        stream.synchronize()
+        assert torch.equal(out, expected[i]), "wrong result"
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(jobs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    at_once(len(jobs), work)
 
 
 @gpu
@@ -431,13 +421,10 @@ def host_kernels(tmp_path_factory):
     return ctypes.CDLL(str(d / "k.so")), {n: i for i, n in enumerate(names)}
 
 
-def _run_on_host(host_kernels, p, sms):
-    """The backend's plan for p (numpy arrays), launched on the host build."""
-    import ctypes
-
+def _host_backend(sms):
+    """The cupy backend planning for the host build: kernel names stand for the compiled
+    functions, and ``sms`` = (multiprocessors, threads each) pretends a device size."""
     from convcov.backends import cupy as mod
-
-    lib, index = host_kernels
 
     class Host(mod.CupyBackend):
         def _function(self, name, family, dev):
@@ -447,7 +434,15 @@ def _run_on_host(host_kernels, p, sms):
         def _sm_threads(self, dev):
             return sms
 
-    plan = Host()._plan(p, 0)
+    return Host()
+
+
+def _run_on_host(host_kernels, p, sms):
+    """The backend's plan for p (numpy arrays), launched on the host build."""
+    import ctypes
+
+    lib, index = host_kernels
+    plan = _host_backend(sms)._plan(p, 0)
     scratch = np.full(plan.scratch + 64, np.nan, plan.acc)  # NaN: unwritten reads show
     base = scratch.ctypes.data + (-scratch.ctypes.data) % 256
     c_bits = int(np.array(p.c_value, np.float64).view(np.int64))
@@ -605,16 +600,7 @@ def _run_vjp_on_host(host_kernels, a, sms):
     from convcov.backends import cupy as mod
 
     lib, index = host_kernels
-
-    class Host(mod.CupyBackend):
-        def _function(self, name, family, dev):
-            assert name in mod._family_names(family), (name, family)
-            return name
-
-        def _sm_threads(self, dev):
-            return sms
-
-    plan = Host()._vjp_plan(a, 0)
+    plan = _host_backend(sms)._vjp_plan(a, 0)
     scratch = np.full(plan.scratch + 64, np.nan, plan.acc)  # NaN: unwritten reads show
     base = scratch.ctypes.data + (-scratch.ctypes.data) % 256 if plan.scratch else 0
     ptrs = mod._vjp_pointers(a, plan, base)
@@ -736,19 +722,8 @@ def test_vjp_nonfinite_near_padding_on_host(host_vjp, dtype):
 
 
 def test_vjp_absent_terms_example_on_host(host_vjp):
-    """docs/autograd.md's example (tests/test_autograd.py), through the cupy kernels."""
-    from convcov import _frontend
-
-    mu = np.array([[[[1.0, 2.0, 3.0]]]])
-    grad_S = np.ones((1, 1, 1, 3, 1, 3))
-    grad_S[0, 0, 0, 0, 0, 2] = np.nan
-    grad_mu, grad_gamma = np.empty_like(mu), np.empty((1, 1, 1, 3, 1, 3))
-    _frontend.patch_moment_vjp(grad_S, mu, (1, 3), grad_gamma=grad_gamma, grad_mu=grad_mu,
-                               padding=(0, 1), backend="cupy_host")
-    np.testing.assert_array_equal(np.isnan(grad_mu.ravel()), [True, False, True])
-    nan = np.zeros((3, 3), bool)
-    nan[0, 2] = True
-    np.testing.assert_array_equal(np.isnan(grad_gamma.reshape(3, 3)), nan)
+    """docs/autograd.md's example (tests/kinds.py), through the cupy kernels."""
+    check_absent_terms_in_the_backward("cupy_host")
 
 
 # ------------------------------------------------------------------ the backward on a GPU
@@ -876,26 +851,17 @@ def test_vjp_threads_at_once():
         _vjp_on_gpu(gS, mu, *e, k, conv)()
         expected.append(e)
     torch.cuda.synchronize()
-    errors, barrier = [], threading.Barrier(len(jobs))
 
-    def work(i):
-        try:
-            gS, mu, gg, gm, k, conv = jobs[i]
-            stream = torch.cuda.Stream() if i % 2 else torch.cuda.current_stream()
-            barrier.wait()
-            with torch.cuda.stream(stream):
-                for _ in range(10):
-                    _vjp_on_gpu(gS, mu, gg, gm, k, conv)()
-            stream.synchronize()
-            for got, want in zip((gg, gm), expected[i]):
-                if got is not None and not torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0)):
-                    errors.append(f"thread {i}: wrong result")
-        except Exception as exc:  # reported below, in the main thread
-            errors.append(f"thread {i}: {exc!r}")
+    def work(i, start):
+        gS, mu, gg, gm, k, conv = jobs[i]
+        stream = torch.cuda.Stream() if i % 2 else torch.cuda.current_stream()
+        start()
+        with torch.cuda.stream(stream):
+            for _ in range(10):
+                _vjp_on_gpu(gS, mu, gg, gm, k, conv)()
+        stream.synchronize()
+        for got, want in zip((gg, gm), expected[i]):
+            assert got is None or torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0)), \
+                "wrong result"
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(jobs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    at_once(len(jobs), work)

@@ -17,7 +17,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import threading
 
 import numpy as np
 import pytest
@@ -26,7 +25,7 @@ numba = pytest.importorskip("numba")
 
 import convcov  # noqa: E402
 from convcov.backends import numba as nbb  # noqa: E402
-from kinds import op_loops  # noqa: E402
+from kinds import at_once, op_loops  # noqa: E402
 
 pytestmark = [
     pytest.mark.skipif(nbb.backend.unavailable_reason() is not None,
@@ -432,23 +431,13 @@ def test_concurrent_calls_from_threads_are_correct():
     expected = convcov.accumulate(out.copy(), g, mu, c, k, backend="numba", **kw)
     n_threads, rounds = 6, 5
     outs = [[out.copy() for _ in range(rounds)] for _ in range(n_threads)]
-    barrier = threading.Barrier(n_threads)
-    errors = []
 
-    def work(i):
-        try:
-            barrier.wait()
-            for r in range(rounds):
-                convcov.accumulate(outs[i][r], g, mu, c, k, backend="numba", **kw)
-        except Exception as exc:  # pragma: no cover - reported below
-            errors.append(exc)
+    def work(i, start):
+        start()
+        for r in range(rounds):
+            convcov.accumulate(outs[i][r], g, mu, c, k, backend="numba", **kw)
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(n_threads)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
+    at_once(n_threads, work)
     for row in outs:
         for o in row:
             np.testing.assert_array_equal(o, expected)  # same order of sums: bit-identical
@@ -722,23 +711,14 @@ def test_vjp_concurrent_calls_from_threads():
                                      dtype=np.float32)
     expected = _vjp(grad_S, mu, k, kw, "numba")
     n_threads, rounds = 6, 4
-    results, errors = [[None] * rounds for _ in range(n_threads)], []
-    barrier = threading.Barrier(n_threads)
+    results = [[None] * rounds for _ in range(n_threads)]
 
-    def work(i):
-        try:
-            barrier.wait()
-            for r in range(rounds):
-                results[i][r] = _vjp(grad_S, mu, k, kw, "numba")
-        except Exception as exc:  # pragma: no cover - reported below
-            errors.append(exc)
+    def work(i, start):
+        start()
+        for r in range(rounds):
+            results[i][r] = _vjp(grad_S, mu, k, kw, "numba")
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(n_threads)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
+    at_once(n_threads, work)
     for row in results:
         for got in row:
             for a, b in zip(got, expected):

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import threading
 
 import numpy as np
 import pytest
@@ -23,7 +22,8 @@ import pytest
 import convcov
 from convcov import _registry
 
-from kinds import HAS_TORCH, SIM, has_cupy_gpu, make, op_loops, to_f64, tolerance, torch_cuda
+from kinds import (HAS_TORCH, SIM, at_once, has_cupy_gpu, make, op_loops, to_f64, tolerance,
+                   torch_cuda)
 
 BACKEND = _registry.get("numba_cuda")
 REASON = BACKEND.unavailable_reason()
@@ -296,27 +296,20 @@ def test_threads_at_once(path):
 
     rng = np.random.default_rng(10)
     cases = [_problem(rng, 1, 2, 2, 5, 5, (2, 2)) for _ in range(4)]
-    refs, results, errors = [], [None] * len(cases), []
+    refs, results = [], [None] * len(cases)
     for out, g, mu, c, k, cv in cases:
         refs.append(convcov.accumulate(out.copy(), g, mu, c, k, backend="numpy"))
 
-    def work(i):
-        try:
-            out, g, mu, c, k, cv = cases[i]
-            t = [torch.tensor(x, dtype=torch.float32, device="cuda") for x in (out, g, mu, c)]
-            for _ in range(20):  # out accumulates 20 times
-                convcov.accumulate(t[0], t[1], t[2], t[3], k, backend="numba_cuda")
-            torch.cuda.current_stream().synchronize()
-            results[i] = to_f64(t[0])
-        except Exception as exc:  # pragma: no cover - reported below
-            errors.append(exc)
+    def work(i, start):
+        out, g, mu, c, k, cv = cases[i]
+        t = [torch.tensor(x, dtype=torch.float32, device="cuda") for x in (out, g, mu, c)]
+        start()
+        for _ in range(20):  # out accumulates 20 times
+            convcov.accumulate(t[0], t[1], t[2], t[3], k, backend="numba_cuda")
+        torch.cuda.current_stream().synchronize()
+        results[i] = to_f64(t[0])
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(cases))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    at_once(len(cases), work)
     for (out, *_), ref, got in zip(cases, refs, results):
         np.testing.assert_allclose(got, out + 20 * (ref - out), rtol=1e-4, atol=1e-4)
 
