@@ -207,3 +207,59 @@ def zeros_like_kind(like, info_: ArrayInfo, shape: tuple, dtype: str):
         f"patch_moment: cannot allocate a result like {type(like).__module__}."
         f"{type(like).__qualname__}; pass numpy, torch, cupy or numba arrays"
     )
+
+
+# Layout questions the GPU backends ask before they vectorise an access.
+def contiguous(strides, shape):
+    """Whether axes with these strides and sizes are one contiguous run (row-major)."""
+    expect = 1
+    for st, n in zip(reversed(strides), reversed(shape)):
+        if n != 1 and st != expect:
+            return False
+        expect *= n
+    return True
+
+
+def vector_width(itemsize, n_q, q_strides, q_shape, other_strides, ptr, extra=()):
+    """Widest V (elements) for which V consecutive q are one aligned <= 16-byte access.
+
+    ``extra``: more (itemsize, q_strides, other_strides, ptr) arrays read with the same V
+    (mu beside gamma); their vectors may exceed 16 bytes and then need 16-byte alignment.
+    """
+    if not contiguous(q_strides, q_shape):
+        return 1
+    if any(not contiguous(e_q, q_shape) for _, e_q, _, _ in extra):
+        return 1
+    for v in (8, 4, 2):
+        if v * itemsize > 16 or n_q % v:
+            continue
+        if ptr % (v * itemsize) or any(s % v for s in other_strides):
+            continue
+        if any(e_ptr % min(16, v * e_size) or any(s % v for s in e_other)
+               for e_size, _, e_other, e_ptr in extra):
+            continue
+        return v
+    return 1
+
+
+_torch_stream = None  # function: device -> raw handle of torch's current stream
+
+
+def current_stream(kind: str, dev) -> int:
+    """Raw handle of the stream a GPU backend launches on: the current stream of the
+    arrays' library on device ``dev`` (torch's for torch tensors, CuPy's for CuPy arrays),
+    the legacy default stream (0) for other ``__cuda_array_interface__`` producers."""
+    global _torch_stream
+    if kind == "torch":
+        get = _torch_stream
+        if get is None:
+            torch = sys.modules["torch"]
+            # The raw handle without building a torch.cuda.Stream object (what torch's
+            # own compiled code uses); the public API where it is missing.
+            get = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
+                lambda d: torch.cuda.current_stream(d).cuda_stream)
+            _torch_stream = get
+        return get(dev)
+    if kind == "cupy":
+        return sys.modules["cupy"].cuda.get_current_stream(-1 if dev is None else dev).ptr
+    return 0

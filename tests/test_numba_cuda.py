@@ -1,11 +1,11 @@
 """The ``numba_cuda`` backend: what the shared property test does not reach.
 
 Without a GPU (CI) the kernels run under Numba's CUDA simulator on numpy and torch CPU
-arrays (tests/conftest.py switches it on): both kernel paths (one launch with T in shared
-memory; two launches through T in global memory) are forced on the same small problems,
-with every layout, ``c`` form, dtype (bfloat16 through torch) and conv parameter, the
-channel chunking of the two-launch kernels, padding next to Inf, and a float64 sum that
-must reach bfloat16 with one rounding. With a GPU the same checks run on torch CUDA
+arrays (tests/conftest.py switches it on): both kernel paths (one launch, S straight from
+gamma; three launches through T and S in global memory) are forced on the same small
+problems, with every layout, ``c`` form, dtype (bfloat16 through torch) and conv
+parameter, the vector widths of the three-launch kernels, padding next to Inf, and a
+float64 sum that must reach bfloat16 with one rounding. With a GPU the same checks run on torch CUDA
 tensors, plus what only a device can show: CuPy arrays and numba device arrays, a launch
 on a non-default torch stream, an ``out`` of more than 2**31 elements, several threads at
 once. Tests that need what is missing skip and say why.
@@ -62,12 +62,15 @@ def test_import_of_convcov_does_not_import_numba_cuda():
 
 
 # ------------------------------------------------------------------ helpers
-@pytest.fixture(params=["fused", "two"])
+@pytest.fixture(params=["direct", "three"])
 def path(request, monkeypatch):
-    """Force one kernel path: T in shared memory (one launch) or in global memory (two)."""
+    """Force one kernel path: S straight from gamma and mu (one launch), or through the
+    channel sum T and S in global memory (three launches)."""
     from convcov.backends import numba_cuda as mod
 
-    monkeypatch.setattr(mod, "FUSED_MAX_TERMS", 1 << 62 if request.param == "fused" else -1)
+    direct = request.param == "direct"
+    monkeypatch.setattr(mod, "DIRECT_TERMS", 1 << 62 if direct else -1)
+    monkeypatch.setattr(mod, "DIRECT_RATIO", 1 << 62 if direct else -1)
     return request.param
 
 
@@ -83,12 +86,25 @@ def _problem(rng, B, Ci, Co, H, W, k, full_out=True, gamma="full", G=1, stride=(
     return out, g, rng.standard_normal((B, Ci, H, W)), rng.random(Co) + 0.5, k, conv
 
 
+def _shifted(x):
+    """A copy of ``x`` one element into a larger buffer: no longer 16-byte aligned."""
+    if isinstance(x, np.ndarray):
+        buf = np.zeros(x.size + 1, x.dtype)
+        y = buf[1:].reshape(x.shape)
+    else:  # torch
+        y = x.new_zeros(x.numel() + 1)[1:].view(x.shape)
+    y[...] = x
+    return y
+
+
 def _check(out0, gamma, mu, c, k, conv, kind, dtypes, layouts=("contiguous",) * 3,
-           c_form="1d", seed=0):
+           c_form="1d", seed=0, misalign=False):
     """Run numba_cuda on arrays of ``kind``; compare with the float64 literal loops."""
     rng = np.random.default_rng(seed)
     dt_out, dt_g, dt_mu, dt_c = dtypes
     out = make(out0, kind, dt_out, layouts[0], rng)
+    if misalign:
+        out = _shifted(out)
     g = None if gamma is None else make(gamma, kind, dt_g, layouts[1], rng)
     m = make(mu, kind, dt_mu, layouts[2], rng)
     cc = {"number": float(c[0]), "0d": lambda: make(np.array(c[0]), kind, dt_c),
@@ -178,14 +194,32 @@ def test_negative_strides(path):
 
 
 @available
-def test_channel_chunks(monkeypatch):
-    """More channels than one shared-memory stage holds: the two-launch kernels go in chunks."""
+@pytest.mark.parametrize("dtype, full_out, misaligned, widths", [
+    ("float32", False, False, {"gsum": 4, "stream": 4}),  # 16-byte loads; out: one axpy
+    ("float32", True, False, {"gsum": 4, "stream": 4}),   # out: a segment per (i0, j0)
+    ("float32", False, True, {"gsum": 4, "stream": 1}),   # out one element off alignment
+    ("float16", False, False, {"gsum": 8, "stream": 8}),
+    ("float64", True, False, {"gsum": 2, "stream": 2}),
+])
+def test_vector_widths(monkeypatch, dtype, full_out, misaligned, widths):
+    """The three-launch kernels load V consecutive elements at once when the layout and
+    the alignment allow (convcov._arrays.vector_width), element by element otherwise;
+    every width gives the literal loops' result."""
     from convcov.backends import numba_cuda as mod
 
-    monkeypatch.setattr(mod, "FUSED_MAX_TERMS", -1)
-    monkeypatch.setattr(mod, "STAGE_BYTES", 8)  # one channel (T kernel: 2 rows) per stage
-    out, g, mu, c, k, cv = _problem(np.random.default_rng(5), 1, 3, 3, 3, 3, (2, 2))
-    _check(out, g, mu, c, k, cv, KINDS[0], ("float32",) * 4)
+    monkeypatch.setattr(mod, "DIRECT_TERMS", -1)
+    launched = {}
+    real = mod._launch
+
+    def spy(name, elems, acc, V, *rest, **kw):
+        launched[name] = V
+        return real(name, elems, acc, V, *rest, **kw)
+
+    monkeypatch.setattr(mod, "_launch", spy)
+    rng = np.random.default_rng(5)
+    out, g, mu, c, k, cv = _problem(rng, 1, 5, 2, 4, 4, (1, 1), full_out, "diag")
+    _check(out, g, mu, c, k, cv, KINDS[0], (dtype,) * 4, misalign=misaligned)
+    assert {n: launched[n] for n in widths} == widths, launched
 
 
 @available
@@ -199,7 +233,9 @@ def test_padding_next_to_inf(path):
     got = make(out, kind, "float64")
     convcov.accumulate(got, None, make(mu, kind, "float64"), 1.0, 3, padding=1,
                        backend="numba_cuda")
-    np.testing.assert_array_equal(to_f64(got), ref)  # Inf where it belongs, no NaN
+    # Inf where it belongs, no NaN (assert_allclose compares the non-finite values
+    # exactly); the finite ones to float64 rounding (the kernels fuse multiply-adds).
+    np.testing.assert_allclose(to_f64(got), ref, rtol=1e-14, atol=0)
 
 
 @available

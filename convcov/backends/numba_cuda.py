@@ -2,7 +2,7 @@
 
 Owns the ``numba.cuda`` kernels below, their compilation (lazily, once per combination of
 array dtypes, cached on disk by Numba), the launch sizes for one call (read off the
-device: multiprocessor count, threads and shared memory per block) and the launch itself
+device: multiprocessor count, threads per multiprocessor) and the launch itself
 on the arrays' device and on their library's current stream: torch's for torch tensors,
 CuPy's for CuPy arrays, the legacy default stream for other ``__cuda_array_interface__``
 objects. docs/numba_cuda.md explains the design in the thread's terms.
@@ -10,23 +10,23 @@ objects. docs/numba_cuda.md explains the design in the thread's terms.
 The operation is memory-bound, so the kernels are built around the bytes SPEC section 5
 counts. With ``T[b, g, x0, y0, x1, y1]`` the channel sum over group ``g`` of
 ``gamma[b, ci, x0, y0, ci, x1, y1] + mu[b, ci, x0, y0] * mu[b, ci, x1, y1]`` (input
-positions), ``S`` is the kh x kw box filter of ``T`` along each diagonal offset:
+positions), ``S`` is the kh x kw box filter of ``T`` along each diagonal offset. Large
+problems take three launches through one scratch buffer (S, then T: the size of S plus
+the gamma channel sum, the bound SPEC allows), the design of the ``cupy`` backend:
 
-* ``_t_kernel_*`` (body ``_t_rows``) reads the channel-diagonal of ``gamma`` exactly
-  once and writes ``T`` (the one scratch array; its size is the gamma channel sum's,
-  ``B * G * (H*W)**2`` accumulation-type elements). One block per pair of T rows
-  (b, g, q0..q0+1), threads along the row (coalesced), eight loads of gamma in flight
-  per thread. The Gram matrix of ``mu`` rides along in the same pass: the rows'
-  ``mu[b, ci, x0, y0]`` are staged in dynamic shared memory once per block.
-* ``_out_kernel_*`` (body ``_out_rows``): one block per row (b, g, i0, j0) of ``S``; each
-  element of ``S`` is formed once from kh*kw reads of ``T`` (L1/L2 hits: ``T`` is Ci/G
-  times smaller than gamma) and ``out[b, c0, i0, j0, (c0,) i1, j1] += c[c0] * S`` is
-  streamed over the group's output channels, eight read-modify-writes in flight per
-  thread, consecutive threads on consecutive ``(i1, j1)``; ``c`` is staged in dynamic
-  shared memory. ``S`` is never stored.
-* ``_fused_kernel_*`` (body ``_fused_body``) does both in one launch for small problems
-  (the seed's toy): one block per (b, g, slice of output channels) builds that group's
-  whole ``T`` in dynamic shared memory, sized at launch, then writes ``out`` from it.
+* ``gsum`` reads the channel-diagonal of ``gamma`` exactly once, with 16-byte
+  evict-first loads, four channels a step, and writes ``T`` (the Gram matrix of ``mu``
+  rides along).
+* ``sbox`` forms each element of ``S`` once from kh*kw reads of ``T`` (L2 hits).
+* ``stream`` adds ``c[c0] * S[b, g(c0)]`` into ``out`` in address order, 16-byte
+  vectors, evict-first: a flat axpy per (b, c0) for a contiguous diagonal layout.
+
+Small problems (the seed's toy) and large strides take one launch, ``direct``: S straight
+from gamma and mu, then ``out`` for a chunk of the group's output channels. Each kernel
+has one thread per element of its result, in the result's flat order, and comes from a
+factory per vector width and accumulation type (compile-time constants of the closure).
+Numba has no syntax for 16-byte accesses or cache qualifiers: ``_LDV``/``_STV`` are
+intrinsics (LLVM vector loads and stores; inline PTX for ``.cs`` / ``.nc``).
 
 The backward (``patch_moment_vjp``, docs/autograd.md; correct on the H200, not yet fast) is two
 gathers with no scratch and no atomics: ``_vjp_gamma_kernel`` (one block per row
@@ -53,7 +53,7 @@ host views (bfloat16 as uint16 bits), so the shared property test can run it on 
 shapes; pointers are then 1-D numpy views of the memory. It is never chosen
 automatically for host arrays (the registry's automatic order for those is numba, numpy).
 
-Must not: copy ``out`` or ``gamma``; synchronise the device; allocate more than ``T``
+Must not: copy ``out`` or ``gamma``; synchronise the device; allocate more than S and T
 (the backward allocates nothing);
 import numba.cuda before the backend is used (``import convcov`` stays GPU-free).
 """
@@ -66,6 +66,7 @@ import threading
 
 import numpy as np
 
+from .._arrays import contiguous, current_stream, vector_width
 from .._registry import Backend
 
 try:
@@ -84,17 +85,20 @@ except Exception as exc:  # numba-cuda or its CUDA bindings missing: _probe says
 #: (2048 threads on every GPU since Volta). The simulator runs one Python thread per CUDA
 #: thread (and polls them all), so it gets small blocks: fewer threads, faster runs.
 THREADS = 8 if SIM else 256
-#: Grid sizes are capped at this many full waves of resident blocks.
-WAVES = 1 if SIM else 32  # the simulator: few blocks, the grid-stride loops do the rest
-#: Dynamic shared memory per block of the two-launch kernels (staged mu of the T kernel:
-#: 2 rows per channel; staged c of the out kernel): small, so it never limits occupancy;
-#: more channels than fit go in chunks.
-STAGE_BYTES = 8192
-#: The fused one-launch kernel is for problems whose per-(b, g) channel sum of gamma has at
-#: most this many terms: there, launches cost more than the arithmetic.
-FUSED_MAX_TERMS = 1 << 16
+#: Largest grid launched: every block of work gets its own block (the kernels' grid-stride
+#: loops take what is left). Blocks are scheduled in index order, so the work is swept in
+#: address order: a grid capped at 32 waves, each block looping, had the resident blocks
+#: working on a dozen batches at once, whose S no longer fitted in L2 (the out update of
+#: `big` ran at 2.6 TB/s). The simulator, one Python thread per CUDA thread, gets one wave.
+MAX_GRID = 2**31 - 1
+#: Problems whose S has at most this many (ii, ji, ci) terms take the one-launch kernel:
+#: there, launches cost more than the arithmetic.
+DIRECT_TERMS = 1 << 22
+#: ... and so do problems where kh*kw*(Ho*Wo)**2 <= DIRECT_RATIO * (H*W)**2 (large strides).
+DIRECT_RATIO = 2
 
 _ACC_BYTES = {"float32": 4, "float64": 8}
+_ITEMSIZE = {"float16": 2, "uint16": 2, "float32": 4, "float64": 8}  # by pointer type
 
 # ---------------------------------------------------------------------------------------
 # Element access. bfloat16 travels as uint16 bits (no CUDA-array-interface type code and
@@ -148,6 +152,9 @@ if _IMPORT_ERROR is None:
                 ptr[i] = numba.uint16(_bf16_bits(v))
             else:
                 ptr[i] = v
+
+        def _to_elem(ptr, v):
+            return numba.uint16(_bf16_bits(v)) if ptr.dtype == np.uint16 else v
     else:
         from numba.cuda.extending import overload
 
@@ -156,6 +163,9 @@ if _IMPORT_ERROR is None:
 
         def _store(ptr, i, v):
             raise NotImplementedError
+
+        def _to_elem(ptr, v):  # v as ptr's element (bfloat16: its bits); float dtypes
+            raise NotImplementedError  # convert when the value is stored
 
         @overload(_to_acc, target="cuda")
         def _to_acc_typed(v, zero):
@@ -181,319 +191,489 @@ if _IMPORT_ERROR is None:
                     ptr[i] = v
             return impl
 
+        @overload(_to_elem, target="cuda")
+        def _to_elem_typed(ptr, v):
+            if ptr.dtype == nbt.uint16:
+                return lambda ptr, v: numba.uint16(_bf16_bits(v))
+            return lambda ptr, v: v
+
 # ---------------------------------------------------------------------------------------
-# Device functions shared by the kernels. Index names follow SPEC section 1. Arrays are
-# (pointer, base, strides): element [i, j, ...] is ptr[base + i*s0 + j*s1 + ...]; the
-# channel stride of out and gamma is the channel-diagonal's (s1 + s4 for full layouts).
-# geo = (B, G, Cg, Cog, H, W, Ho, Wo, kh, kw, sh, sw, ph, pw, dh, dw), Cg = Ci // G and
-# Cog = Co // G. ``zero`` is 0 in the accumulation dtype (it types the sums).
+# Vector loads and stores. Numba has no syntax for a 16-byte access, so ``_LDV[n, cs](ptr,
+# i)`` is an intrinsic that loads ptr[i : i + n] as one vector (ld.global.v4.f32 / v2.f64,
+# or v4.b32 words for eight 16-bit values) and returns the n elements as a tuple, and
+# ``_STV[n, cs](ptr, i, arr, k)`` stores arr[k : k + n] (a local array of ptr's element
+# type) the same way. ``cs`` marks data touched once (gamma, out): those go through inline
+# PTX with the .cs ("cache streaming", evict-first) qualifier, so that streaming gigabytes
+# through L2 does not evict what is re-read from it (S, T, mu): without it, the out
+# update of `big` re-read S from DRAM and ran at 2.6 TB/s (H200, 2026-11-30). The caller
+# guarantees the alignment (n * itemsize bytes, at most 16; checked on the host by
+# convcov._arrays.vector_width). Under the simulator they are plain indexing.
+# ---------------------------------------------------------------------------------------
+if _IMPORT_ERROR is None:
+    if not SIM:
+        from llvmlite import ir
+        from numba.cuda.extending import intrinsic
+
+        _I32 = ir.IntType(32)
+
+        def _regs(context, elem, n):
+            """How n elements travel in registers: (register type, count, PTX type,
+            inline-asm constraint letter). 16-bit elements go in pairs as 32-bit words."""
+            lt = context.get_value_type(elem)
+            size = context.get_abi_sizeof(lt)
+            if size < 4 and n * size >= 4:
+                return _I32, n * size // 4, "b32", "r"
+            if size == 2:
+                return ir.IntType(16), 1, "b16", "h"
+            return lt, n, {4: "f32", 8: "f64"}[size], {4: "f", 8: "d"}[size]
+
+        def _ptx_vec(count):
+            return "" if count == 1 else f".v{count}"
+
+        def _ptx_list(first, count):
+            regs = ", ".join(f"${first + k}" for k in range(count))
+            return regs if count == 1 else "{" + regs + "}"
+
+    def _make_ldv(n, hint):
+        if SIM:
+            def ldv(ptr, i):
+                return tuple(ptr[i + k] for k in range(n))
+            return ldv
+
+        @intrinsic
+        def ldv(typingctx, ptr, i):
+            sig = nbt.UniTuple(ptr.dtype, n)(ptr, i)
+
+            def codegen(context, builder, sig, args):
+                p, idx = args
+                lt = context.get_value_type(sig.args[0].dtype)
+                rt, count, ptx_t, letter = _regs(context, sig.args[0].dtype, n)
+                addr = builder.gep(p, [idx])
+                if hint:
+                    # At most 16 bytes an instruction (32-byte accesses need sm_100).
+                    per = max(1, 16 // context.get_abi_sizeof(rt))
+                    regs = []
+                    for first in range(0, count, per):
+                        m = min(per, count - first)
+                        ty = rt if m == 1 else ir.LiteralStructType([rt] * m)
+                        fn = ir.FunctionType(ty, [ir.IntType(64)])
+                        code = ("{ .reg .u64 a; cvta.to.global.u64 a, $%d; ld.global.%s%s.%s %s, [a]; }"
+                                % (m, hint, _ptx_vec(m), ptx_t, _ptx_list(0, m)))
+                        cons = ",".join(["=" + letter] * m) + ",l"
+                        part = builder.gep(builder.bitcast(addr, rt.as_pointer()),
+                                           [ir.Constant(ir.IntType(64), first)])
+                        r = builder.asm(fn, code, cons, [builder.ptrtoint(part, ir.IntType(64))],
+                                        side_effect=False)
+                        regs += [r] if m == 1 else [builder.extract_value(r, k) for k in range(m)]
+                else:
+                    vt = ir.VectorType(rt, count)
+                    v = builder.load(builder.bitcast(addr, vt.as_pointer()),
+                                     align=min(16, n * context.get_abi_sizeof(lt)))
+                    regs = [builder.extract_element(v, ir.Constant(_I32, k)) for k in range(count)]
+                if context.get_abi_sizeof(lt) == 2 and n >= 2:
+                    # 32-bit words of 16-bit elements: split them, low half first
+                    vals = []
+                    for word in regs:
+                        for shift in (0, 16):
+                            half = builder.trunc(builder.lshr(word, ir.Constant(_I32, shift)),
+                                                 ir.IntType(16))
+                            vals.append(builder.bitcast(half, lt))
+                else:
+                    vals = [builder.bitcast(r, lt) for r in regs]
+                return context.make_tuple(builder, sig.return_type, vals)
+
+            return sig, codegen
+        return ldv
+
+    def _make_stv(n, hint):
+        if SIM:
+            def stv(ptr, i, arr, k):
+                for e in range(n):
+                    ptr[i + e] = arr[k + e]
+            return stv
+
+        @intrinsic
+        def stv(typingctx, ptr, i, arr, k):
+            if arr.dtype != ptr.dtype:
+                return None
+            sig = nbt.void(ptr, i, arr, k)
+
+            def codegen(context, builder, sig, args):
+                p, idx, a, start = args
+                data = context.make_array(sig.args[2])(context, builder, a).data
+                vals = [builder.load(builder.gep(data, [builder.add(start, ir.Constant(start.type, e))]))
+                        for e in range(n)]
+                lt = context.get_value_type(sig.args[0].dtype)
+                size = context.get_abi_sizeof(lt)
+                rt, count, ptx_t, letter = _regs(context, sig.args[0].dtype, n)
+                if size == 2 and n >= 2:  # 16-bit elements: pack pairs into words
+                    i16 = ir.IntType(16)
+                    regs = [builder.or_(builder.zext(builder.bitcast(vals[2 * w], i16), _I32),
+                                        builder.shl(builder.zext(builder.bitcast(vals[2 * w + 1], i16), _I32),
+                                                    ir.Constant(_I32, 16)))
+                            for w in range(count)]
+                else:
+                    regs = [builder.bitcast(v, rt) for v in vals]
+                addr = builder.gep(p, [idx])
+                if hint:
+                    per = max(1, 16 // context.get_abi_sizeof(rt))  # <= 16 bytes a store
+                    for first in range(0, count, per):
+                        m = min(per, count - first)
+                        fn = ir.FunctionType(ir.VoidType(), [ir.IntType(64)] + [rt] * m)
+                        code = ("{ .reg .u64 a; cvta.to.global.u64 a, $0; st.global.%s%s.%s [a], %s; }"
+                                % (hint, _ptx_vec(m), ptx_t, _ptx_list(1, m)))
+                        cons = "l," + ",".join([letter] * m) + ",~{memory}"
+                        part = builder.gep(builder.bitcast(addr, rt.as_pointer()),
+                                           [ir.Constant(ir.IntType(64), first)])
+                        builder.asm(fn, code, cons, [builder.ptrtoint(part, ir.IntType(64))]
+                                    + regs[first:first + m], side_effect=True)
+                else:
+                    vt = ir.VectorType(rt, count)
+                    vec = ir.Constant(vt, ir.Undefined)
+                    for e, r in enumerate(regs):
+                        vec = builder.insert_element(vec, r, ir.Constant(_I32, e))
+                    builder.store(vec, builder.bitcast(addr, vt.as_pointer()), align=min(16, n * size))
+                return context.get_dummy_value()
+
+            return sig, codegen
+        return stv
+
+    _LDV = {(n, h): _make_ldv(n, h) for n in (1, 2, 4, 8) for h in ("", "cs", "nc")}
+    _STV = {(n, h): _make_stv(n, h) for n in (1, 2, 4, 8) for h in ("", "cs")}
+
+# ---------------------------------------------------------------------------------------
+# The forward kernels. Index names follow SPEC section 1. Arrays are (pointer, base,
+# strides): element [i, j, ...] is ptr[base + i*s0 + j*s1 + ...]; the channel stride of
+# out and gamma is the channel-diagonal's (s1 + s4 for full layouts). geo = (B, G, Cg,
+# Cog, H, W, Ho, Wo, kh, kw, sh, sw, ph, pw, dh, dw), Cg = Ci // G, Cog = Co // G.
+# ``zero`` is 0 in the accumulation dtype (it types the sums). One thread per element of
+# the result, in its flat order (consecutive threads, consecutive addresses), with the
+# grid's stride. Each kernel is made by a factory per vector width V (elements a thread
+# loads at once) and accumulation type ACC: both are compile-time constants of the
+# closure, so the loops over them unroll into registers.
 # ---------------------------------------------------------------------------------------
 if _IMPORT_ERROR is None:
 
-    @cuda.jit(device=True)
-    def _s_value(src, sbase, geo, i0, j0, i1, j1, zero):
-        """S[b, g, i0, j0, i1, j1]: the kh x kw box filter of T = src[sbase:] along the
-        diagonal offset (i1 - i0, j1 - j0); T holds (H*W)**2 values."""
-        H, W, kh, kw = geo[4], geo[5], geo[8], geo[9]
-        sh, sw, ph, pw, dh, dw = geo[10], geo[11], geo[12], geo[13], geo[14], geo[15]
-        HW = H * W
-        s = zero
-        if HW == 0:
-            return s
-        for ii in range(kh):
-            x0 = i0 * sh + ii * dh - ph
-            x1 = i1 * sh + ii * dh - ph
-            x_in = (x0 >= 0) & (x0 < H) & (x1 >= 0) & (x1 < H)
-            # Clamped indices keep every load in bounds and unconditional, so the kh*kw
-            # loads issue back to back; padded terms are then dropped by a select.
-            row = sbase + (min(max(x0, 0), H - 1) * W) * HW + min(max(x1, 0), H - 1) * W
-            for ji in range(kw):
-                y0 = j0 * sw + ji * dw - pw
-                y1 = j1 * sw + ji * dw - pw
-                v = src[row + min(max(y0, 0), W - 1) * HW + min(max(y1, 0), W - 1)]
-                if x_in & (y0 >= 0) & (y0 < W) & (y1 >= 0) & (y1 < W):
-                    s += v
-        return s
+    def _make_gsum(V, ACC, OT):
+        """T[b, g, x0, y0, q] = sum over ci of group g of gamma[b, ci, x0, y0, (ci,) q]
+        + mu[b, ci, x0, y0] * mu[b, ci, q], V consecutive q a thread (V > 1: q contiguous
+        in gamma and mu, rows aligned). Four channels a step: their 4 x V gamma values
+        are in flight before the first is added. Reads gamma's channel-diagonal once."""
+        ldg, ldm = _LDV[V, STREAMING], _LDV[V, READONLY]
 
-    @cuda.jit(device=True)
-    def _stage_c(cs, n, cptr, cbase, cst, has_c, cval, c_first, zero):
-        """cs[e] = c[c_first + e] (or the number c) for e < n, by the whole block."""
-        e = cuda.threadIdx.x
-        while e < n:
-            cs[e] = _to_acc(cptr[cbase + (c_first + e) * cst], zero) if has_c else cval
-            e += cuda.blockDim.x
+        def gsum(tptr, gptr, gbase, gst, has_g, mptr, mbase, mst, geo, n, zero):
+            G, Cg, W = geo[1], geo[2], geo[5]
+            HW = geo[4] * W
+            nqv = HW // V
+            gsc, msc = gst[1], mst[1]
+            idx = cuda.grid(1)
+            while idx < n:
+                row = idx // nqv  # (b, g, x0, y0)
+                q = (idx - row * nqv) * V
+                bg = row // HW
+                p = row - bg * HW
+                b = bg // G
+                g = bg - b * G
+                x0 = p // W
+                y0 = p - x0 * W
+                gb = gbase + b * gst[0] + g * Cg * gsc
+                mb = mbase + b * mst[0] + g * Cg * msc
+                og = gb + x0 * gst[2] + y0 * gst[3]
+                omr = mb + x0 * mst[2] + y0 * mst[3]
+                if V > 1:
+                    og += q
+                    omc = mb + q
+                else:
+                    x1 = q // W
+                    og += x1 * gst[4] + (q - x1 * W) * gst[5]
+                    omc = mb + x1 * mst[2] + (q - x1 * W) * mst[3]
+                acc = cuda.local.array(V, ACC)
+                for e in range(V):
+                    acc[e] = zero
+                ci = 0
+                while ci + 4 <= Cg:
+                    if has_g:
+                        g0 = ldg(gptr, og)
+                        g1 = ldg(gptr, og + gsc)
+                        g2 = ldg(gptr, og + 2 * gsc)
+                        g3 = ldg(gptr, og + 3 * gsc)
+                        for e in range(V):
+                            acc[e] += ((_to_acc(g0[e], zero) + _to_acc(g1[e], zero))
+                                       + (_to_acc(g2[e], zero) + _to_acc(g3[e], zero)))
+                    for u in range(4):
+                        mr = _to_acc(mptr[omr + u * msc], zero)
+                        mc = ldm(mptr, omc + u * msc)
+                        for e in range(V):
+                            acc[e] += mr * _to_acc(mc[e], zero)
+                    og += 4 * gsc
+                    omr += 4 * msc
+                    omc += 4 * msc
+                    ci += 4
+                while ci < Cg:
+                    if has_g:
+                        g0 = ldg(gptr, og)
+                        for e in range(V):
+                            acc[e] += _to_acc(g0[e], zero)
+                    mr = _to_acc(mptr[omr], zero)
+                    mc = ldm(mptr, omc)
+                    for e in range(V):
+                        acc[e] += mr * _to_acc(mc[e], zero)
+                    og += gsc
+                    omr += msc
+                    omc += msc
+                    ci += 1
+                t = row * HW + q
+                for e in range(V):
+                    tptr[t + e] = acc[e]
+                idx += cuda.gridsize(1)
 
-    @cuda.jit(device=True)
-    def _add_to_channels(optr, o, osc, cs, n, s, zero):
-        """optr[o + k*osc] += cs[k] * s for k < n: one (i0, j0, i1, j1) of n channels."""
-        k = 0
-        # Eight channels at a time: all eight loads are issued before the first store (the
-        # compiler cannot reorder them itself: it cannot prove the channels are distinct).
-        # 16-wide batches (80 registers, 3 blocks per multiprocessor) measured no faster.
-        while k + 8 <= n:
-            v0 = _to_acc(optr[o], zero)
-            v1 = _to_acc(optr[o + osc], zero)
-            v2 = _to_acc(optr[o + 2 * osc], zero)
-            v3 = _to_acc(optr[o + 3 * osc], zero)
-            v4 = _to_acc(optr[o + 4 * osc], zero)
-            v5 = _to_acc(optr[o + 5 * osc], zero)
-            v6 = _to_acc(optr[o + 6 * osc], zero)
-            v7 = _to_acc(optr[o + 7 * osc], zero)
-            _store(optr, o, v0 + cs[k] * s)
-            _store(optr, o + osc, v1 + cs[k + 1] * s)
-            _store(optr, o + 2 * osc, v2 + cs[k + 2] * s)
-            _store(optr, o + 3 * osc, v3 + cs[k + 3] * s)
-            _store(optr, o + 4 * osc, v4 + cs[k + 4] * s)
-            _store(optr, o + 5 * osc, v5 + cs[k + 5] * s)
-            _store(optr, o + 6 * osc, v6 + cs[k + 6] * s)
-            _store(optr, o + 7 * osc, v7 + cs[k + 7] * s)
-            o += 8 * osc
-            k += 8
-        while k < n:
-            _store(optr, o, _to_acc(optr[o], zero) + cs[k] * s)
-            o += osc
-            k += 1
+        return gsum
 
-    # -------------------------------------------------------------------------------------
-    # The two-launch path. One block per row of the result (a fixed (b, g, q0) of T, a
-    # fixed (b, g, i0, j0) of S), threads along the row: the row's indices are
-    # block-uniform, consecutive threads touch consecutive (x1, y1) / (i1, j1), so every
-    # access to gamma, T and out is coalesced, and a thread divides only its own column
-    # index. Blocks walk the rows with the grid's stride (any number of rows fits any
-    # grid; the stride is block-uniform, so every thread meets every barrier).
-    # -------------------------------------------------------------------------------------
+    def _make_sbox(V, ACC, OT):
+        """S[b, g, p0, q], the kh x kw box filter of T (contiguous) along the diagonal
+        offsets. The term of kernel offset (ii, ji) sits at the fixed distance
+        ii*DI + ji*DJ from that of (0, 0), whatever the stride; elements with every term
+        inside the input skip the bounds checks, the others drop the terms with a
+        position in the padding (SPEC section 1). Reads hit L2, so the kernel is
+        latency-bound: nine loads are issued before they are summed."""
+        ld = _LDV[1, READONLY]
 
-    @cuda.jit(device=True)
-    def _t_rows(ms, tptr, gptr, gbase, gst, has_g, mptr, mbase, mst, geo, cap, zero):
-        """Rows q0, q0+1 of T for one (b, g) per block: tptr[((b*G + g)*HW + q0)*HW + q1].
+        def sbox(sptr, tptr, geo, n, zero):
+            H, W, Ho, Wo, kh, kw = geo[4], geo[5], geo[6], geo[7], geo[8], geo[9]
+            sh, sw, ph, pw, dh, dw = geo[10], geo[11], geo[12], geo[13], geo[14], geo[15]
+            HW = H * W
+            HoWo = Ho * Wo
+            noff = kh * kw
+            DI = dh * (W * HW + W)
+            DJ = dw * (HW + 1)
+            span_h = (kh - 1) * dh
+            span_w = (kw - 1) * dw
+            Wo32 = numba.uint32(Wo)
+            e = cuda.grid(1)
+            while e < n:
+                row = e // HoWo
+                bg = row // HoWo
+                # Positions fit 32 bits: unsigned 32-bit division is several times
+                # cheaper than the signed 64-bit floor division of int64 operands.
+                q = numba.uint32(e - row * HoWo)
+                p0 = numba.uint32(row - bg * HoWo)
+                i0 = p0 // Wo32
+                i1 = q // Wo32
+                x0b = numba.int64(i0) * sh - ph  # input positions of offset (0, 0)
+                x1b = numba.int64(i1) * sh - ph
+                y0b = numba.int64(p0 - i0 * Wo32) * sw - pw
+                y1b = numba.int64(q - i1 * Wo32) * sw - pw
+                inside = ((x0b >= 0) & (x0b + span_h < H) & (y0b >= 0) & (y0b + span_w < W)
+                          & (x1b >= 0) & (x1b + span_h < H) & (y1b >= 0) & (y1b + span_w < W))
+                off = bg * HW * HW + (x0b * W + y0b) * HW + x1b * W + y1b
+                s = zero
+                if inside and kh == 3 and kw == 3:
+                    # The common 3x3 kernel away from the padding: nine unconditional
+                    # loads, issued back to back (the general loop below branches
+                    # around each one).
+                    v0 = ld(tptr, off)[0]
+                    v1 = ld(tptr, off + DJ)[0]
+                    v2 = ld(tptr, off + 2 * DJ)[0]
+                    v3 = ld(tptr, off + DI)[0]
+                    v4 = ld(tptr, off + DI + DJ)[0]
+                    v5 = ld(tptr, off + DI + 2 * DJ)[0]
+                    v6 = ld(tptr, off + 2 * DI)[0]
+                    v7 = ld(tptr, off + 2 * DI + DJ)[0]
+                    v8 = ld(tptr, off + 2 * DI + 2 * DJ)[0]
+                    s = s + v0 + v1 + v2 + v3 + v4 + v5 + v6 + v7 + v8
+                    sptr[e] = s
+                    e += cuda.gridsize(1)
+                    continue
+                ii = 0
+                ji = 0
+                t = 0
+                while t < noff:
+                    tv = cuda.local.array(9, ACC)
+                    for u in range(9):
+                        ok = t + u < noff
+                        if not inside:
+                            x0 = x0b + ii * dh
+                            x1 = x1b + ii * dh
+                            y0 = y0b + ji * dw
+                            y1 = y1b + ji * dw
+                            ok = (ok & (x0 >= 0) & (x0 < H) & (x1 >= 0) & (x1 < H)
+                                  & (y0 >= 0) & (y0 < W) & (y1 >= 0) & (y1 < W))
+                        tv[u] = ld(tptr, off)[0] if ok else zero
+                        off += DJ
+                        ji += 1
+                        if ji == kw:
+                            ji = 0
+                            ii += 1
+                            off += DI - kw * DJ
+                    for u in range(9):
+                        s += tv[u]
+                    t += 9
+                sptr[e] = s
+                e += cuda.gridsize(1)
 
-        gamma is streamed, eight loads in flight per thread (two rows, four channels).
-        The two rows of a thread share its load of mu[b, ci, x1, y1]; their
-        mu[b, ci, x0, y0], the same for the whole block, come from shared memory (``ms``,
-        ``cap`` channels x 2 rows, converted once). More than ``cap`` channels (only for
-        huge Ci / G) go in chunks, adding into the T rows already written.
-        """
-        B, G, Cg = geo[0], geo[1], geo[2]
-        H, W = geo[4], geo[5]
-        HW = H * W
-        row_blocks = (HW + 1) // 2
-        tid = cuda.threadIdx.x
-        nt = cuda.blockDim.x
-        gsc, msc = gst[1], mst[1]
-        blk = cuda.blockIdx.x
-        while blk < B * G * row_blocks:
-            bg = blk // row_blocks
-            q0 = (blk - bg * row_blocks) * 2
-            b = bg // G
-            g = bg - b * G
-            two = q0 + 1 < HW  # block-uniform: is there a second row?
-            qb = q0 + 1 if two else q0  # a missing second row repeats the first: never stored
-            xa, xb = q0 // W, qb // W
-            gbg = gbase + b * gst[0] + g * Cg * gsc
-            ga = gbg + xa * gst[2] + (q0 - xa * W) * gst[3]
-            gb = gbg + xb * gst[2] + (qb - xb * W) * gst[3]
-            mbg = mbase + b * mst[0] + g * Cg * msc
-            trow = (bg * HW + q0) * HW
-            c_start = 0
-            while True:  # channel chunks; one pass when Cg <= cap (always, in practice)
-                n = min(cap, Cg - c_start)
-                cuda.syncthreads()  # the previous chunk or row is done reading ms
-                e = tid
-                while e < 2 * n:
-                    qr = qb if e % 2 else q0
-                    xr = qr // W
-                    ms[e] = _to_acc(mptr[mbg + (c_start + e // 2) * msc + xr * mst[2]
-                                         + (qr - xr * W) * mst[3]], zero)
-                    e += nt
-                cuda.syncthreads()
-                q1 = tid
-                while q1 < HW:
-                    x1 = q1 // W
-                    y1 = q1 - x1 * W
-                    if c_start == 0:
-                        ta = tb = zero
-                        if has_g:
-                            oa = ga + x1 * gst[4] + y1 * gst[5]
-                            ob = oa + (gb - ga)
-                            last = Cg - 1
+        return sbox
+
+    #: Vectors of out a stream thread has in flight: 4 x 16 bytes; 2 for 16-bit out, whose
+    #: 16-byte vectors need 32 bytes of S and 16 registers of sums each (4 vectors: 114
+    #: registers, 2 blocks a multiprocessor; 2: 72 registers, 3 blocks; big-f16 4548 us
+    #: against 4754-4889 us on the H200, 2026-11-30; float32 at 2 was slower: 6268 against
+    #: 5963-5990 us).
+    STREAM_SU = 4
+    STREAM_SU_16 = 2
+    #: Cache qualifier of the loads and stores of data touched once (gamma, out): "cs",
+    #: evict-first (or "": none) ...
+    STREAMING = "cs"
+    #: ... and of the loads of data re-read from the caches (S, T, mu): "nc", the
+    #: read-only path (or "": a plain load).
+    READONLY = "nc"
+
+    def _make_stream(V, ACC, OT):
+        """out[b, c0, i0, j0, (c0,) i1, j1] += c[c0] * S[b, g(c0)] in address order.
+        out[b, c0] is ``nseg`` segments of ``seg_len`` elements contiguous in S[b, g]: one
+        (the whole plane: a flat axpy, for a contiguous diagonal-layout out) or one per
+        (i0, j0). A block takes a tile of blockDim x STREAM_SU vectors of one (b, c0);
+        each thread loads all its vectors of out and S before it stores any. V > 1 only
+        when the segments are contiguous and aligned in out (checked on the host)."""
+        ldo, lds, st = _LDV[V, STREAMING], _LDV[V, READONLY], _STV[V, STREAMING]
+        SU = STREAM_SU_16 if OT.bitwidth == 16 else STREAM_SU
+        SUV = SU * V  # a constant: the size of a local array must be one
+
+        def stream(optr, obase, ost, cptr, cbase, cst, has_c, cval, sptr, geo, nseg, seg_len,
+                   tiles, zero):
+            G, Cog, Wo = geo[1], geo[3], geo[7]
+            nvec = seg_len // V
+            nf = nseg * nvec
+            nt = cuda.blockDim.x
+            tid = cuda.threadIdx.x
+            ntiles = geo[0] * G * Cog * tiles
+            tile = cuda.blockIdx.x
+            while tile < ntiles:  # block-uniform
+                r1 = tile // tiles  # neighbouring blocks: neighbouring memory
+                tin = tile - r1 * tiles
+                bg = r1 // Cog
+                b = bg // G
+                c0 = (bg - b * G) * Cog + (r1 - bg * Cog)
+                cc = _to_acc(cptr[cbase + c0 * cst], zero) if has_c else cval
+                ob = obase + b * ost[0] + c0 * ost[1]
+                sb = bg * nseg * seg_len
+                oo = cuda.local.array(SU, nbt.int64)
+                ov = cuda.local.array(SUV, ACC)
+                sv = cuda.local.array(SUV, ACC)
+                for k in range(SU):
+                    f = (tin * SU + k) * nt + tid
+                    if f < nf:
+                        if nseg == 1:  # one flat axpy: no index arithmetic
+                            off = ob + f * V
+                            si = sb + f * V
+                        else:
+                            r = f // nvec
+                            v = f - r * nvec
+                            i0 = r // Wo
+                            off = ob + i0 * ost[2] + (r - i0 * Wo) * ost[3]
+                            if V > 1:
+                                off += v * V
+                            else:
+                                i1 = v // Wo
+                                off += i1 * ost[4] + (v - i1 * Wo) * ost[5]
+                            si = sb + r * seg_len + v * V
+                        oo[k] = off
+                        x = ldo(optr, off)
+                        y = lds(sptr, si)
+                        for e in range(V):
+                            ov[k * V + e] = _to_acc(x[e], zero)
+                            sv[k * V + e] = y[e]
+                res = cuda.local.array(SUV, OT)
+                for k in range(SU):
+                    for e in range(V):
+                        res[k * V + e] = _to_elem(optr, ov[k * V + e] + cc * sv[k * V + e])
+                for k in range(SU):
+                    if (tin * SU + k) * nt + tid < nf:
+                        st(optr, oo[k], res, k * V)
+                tile += cuda.gridDim.x
+
+        return stream
+
+    def _make_direct(V, ACC, OT):
+        """The one-launch kernel for small problems: S straight from gamma and mu (the
+        channel sum inside the box filter), then out for a chunk of the group's output
+        channels; any strides. The (ii, ji, ci) terms are walked as one flat sequence,
+        eight at a time with predicated loads: small problems are latency-bound, so
+        several terms' loads must be in flight together."""
+
+        def direct(optr, obase, ost, gptr, gbase, gst, has_g, mptr, mbase, mst,
+                   cptr, cbase, cst, has_c, cval, geo, nchunk, chunk, n, zero):
+            G, Cg, Cog = geo[1], geo[2], geo[3]
+            H, W, Ho, Wo, kh, kw = geo[4], geo[5], geo[6], geo[7], geo[8], geo[9]
+            sh, sw, ph, pw, dh, dw = geo[10], geo[11], geo[12], geo[13], geo[14], geo[15]
+            HoWo = Ho * Wo
+            nterm = kh * kw * Cg
+            gsc, msc = gst[1], mst[1]
+            idx = cuda.grid(1)
+            while idx < n:
+                r1 = idx // HoWo
+                q = idx - r1 * HoWo
+                row = r1 // nchunk
+                part = r1 - row * nchunk
+                bg = row // HoWo
+                p0 = row - bg * HoWo
+                b = bg // G
+                g = bg - b * G
+                i0 = p0 // Wo
+                j0 = p0 - i0 * Wo
+                i1 = q // Wo
+                j1 = q - i1 * Wo
+                ogb = gbase + b * gst[0] + g * Cg * gsc
+                omb = mbase + b * mst[0] + g * Cg * msc
+                s = zero
+                ii = 0
+                ji = 0
+                ci = 0
+                t = 0
+                while t < nterm:
+                    gv = cuda.local.array(8, ACC)
+                    m0 = cuda.local.array(8, ACC)
+                    m1 = cuda.local.array(8, ACC)
+                    for u in range(8):
+                        x0 = i0 * sh + ii * dh - ph
+                        x1 = i1 * sh + ii * dh - ph
+                        y0 = j0 * sw + ji * dw - pw
+                        y1 = j1 * sw + ji * dw - pw
+                        ok = ((t + u < nterm) & (x0 >= 0) & (x0 < H) & (x1 >= 0) & (x1 < H)
+                              & (y0 >= 0) & (y0 < W) & (y1 >= 0) & (y1 < W))
+                        gv[u] = zero
+                        m0[u] = zero
+                        m1[u] = zero
+                        if ok:
+                            if has_g:
+                                gv[u] = _to_acc(gptr[ogb + ci * gsc + x0 * gst[2] + y0 * gst[3]
+                                                     + x1 * gst[4] + y1 * gst[5]], zero)
+                            m0[u] = _to_acc(mptr[omb + ci * msc + x0 * mst[2] + y0 * mst[3]], zero)
+                            m1[u] = _to_acc(mptr[omb + ci * msc + x1 * mst[2] + y1 * mst[3]], zero)
+                        ci += 1
+                        if ci == Cg:
                             ci = 0
-                            # Four channels a step; past the last channel the address is
-                            # clamped (in bounds) and a select drops the value: no
-                            # remainder loop, whose unrolled copies would cost registers.
-                            while ci < Cg:
-                                o1 = min(ci + 1, last) - ci
-                                o2 = min(ci + 2, last) - ci
-                                o3 = min(ci + 3, last) - ci
-                                va = _to_acc(gptr[oa], zero)
-                                vb = _to_acc(gptr[ob], zero)
-                                wa = _to_acc(gptr[oa + o1 * gsc], zero)
-                                wb = _to_acc(gptr[ob + o1 * gsc], zero)
-                                xa_ = _to_acc(gptr[oa + o2 * gsc], zero)
-                                xb_ = _to_acc(gptr[ob + o2 * gsc], zero)
-                                ya = _to_acc(gptr[oa + o3 * gsc], zero)
-                                yb = _to_acc(gptr[ob + o3 * gsc], zero)
-                                if ci + 4 > Cg:
-                                    if o3 == o2:
-                                        ya = yb = zero
-                                    if o2 == o1:
-                                        xa_ = xb_ = zero
-                                    if o1 == 0:
-                                        wa = wb = zero
-                                ta += (va + wa) + (xa_ + ya)
-                                tb += (vb + wb) + (xb_ + yb)
-                                oa += 4 * gsc
-                                ob += 4 * gsc
-                                ci += 4
-                    else:
-                        ta = tptr[trow + q1]
-                        tb = tptr[trow + (HW if two else 0) + q1]
-                    m1 = mbg + c_start * msc + x1 * mst[2] + y1 * mst[3]
-                    for k in range(n):
-                        u = _to_acc(mptr[m1], zero)
-                        ta += ms[2 * k] * u
-                        tb += ms[2 * k + 1] * u
-                        m1 += msc
-                    tptr[trow + q1] = ta
-                    if two:
-                        tptr[trow + HW + q1] = tb
-                    q1 += nt
-                c_start += n
-                if c_start >= Cg:
-                    break
-            blk += cuda.gridDim.x
+                            ji += 1
+                            if ji == kw:
+                                ji = 0
+                                ii += 1
+                    for u in range(8):
+                        s = m0[u] * m1[u] + (s + gv[u])
+                    t += 8
+                c_first = g * Cog + part * chunk
+                oo = obase + b * ost[0] + i0 * ost[2] + j0 * ost[3] + i1 * ost[4] + j1 * ost[5]
+                for c0 in range(c_first, min(c_first + chunk, (g + 1) * Cog)):
+                    o = oo + c0 * ost[1]
+                    cc = _to_acc(cptr[cbase + c0 * cst], zero) if has_c else cval
+                    _store(optr, o, _to_acc(optr[o], zero) + cc * s)
+                idx += cuda.gridsize(1)
 
-    @cuda.jit(device=True)
-    def _out_rows(cs, optr, obase, ost, cptr, cbase, cst, has_c, cval, tptr, geo, cap, zero):
-        """One row (b, g, i0, j0) of S per block: each S element formed once from T and
-        added to every output channel of the group (c staged in shared memory, ``cap``
-        channels at a time)."""
-        B, G, Cog = geo[0], geo[1], geo[3]
-        H, W, Ho, Wo = geo[4], geo[5], geo[6], geo[7]
-        HW = H * W
-        P = Ho * Wo
-        osc = ost[1]
-        tid = cuda.threadIdx.x
-        nt = cuda.blockDim.x
-        blk = cuda.blockIdx.x
-        while blk < B * G * P:
-            bg = blk // P
-            p0 = blk - bg * P
-            b = bg // G
-            g = bg - b * G
-            i0 = p0 // Wo
-            j0 = p0 - i0 * Wo
-            orow = obase + b * ost[0] + i0 * ost[2] + j0 * ost[3]
-            c_start = 0
-            while c_start < Cog:
-                n = min(cap, Cog - c_start)
-                cuda.syncthreads()  # the previous chunk or row is done reading cs
-                _stage_c(cs, n, cptr, cbase, cst, has_c, cval, g * Cog + c_start, zero)
-                cuda.syncthreads()
-                p1 = tid
-                while p1 < P:
-                    i1 = p1 // Wo
-                    j1 = p1 - i1 * Wo
-                    s = _s_value(tptr, bg * HW * HW, geo, i0, j0, i1, j1, zero)
-                    _add_to_channels(optr, orow + (g * Cog + c_start) * osc + i1 * ost[4]
-                                     + j1 * ost[5], osc, cs, n, s, zero)
-                    p1 += nt
-                c_start += n
-            blk += cuda.gridDim.x
+        return direct
 
-    # -------------------------------------------------------------------------------------
-    # The one-launch path for small problems: one block per (b, g, slice of the group's
-    # output channels) builds that group's whole T in dynamic shared memory, then writes
-    # out from it. The dynamic buffer holds T ((H*W)**2 values) then the slice's c values.
-    # -------------------------------------------------------------------------------------
 
-    @cuda.jit(device=True)
-    def _t_value(gptr, gbase, gst, has_g, mptr, mbase, mst, b, g, Cg, x0, y0, x1, y1, zero):
-        """T[b, g, x0, y0, x1, y1] (input positions, all inside the image)."""
-        t = zero
-        if has_g:
-            go = (gbase + b * gst[0] + g * Cg * gst[1] + x0 * gst[2] + y0 * gst[3]
-                  + x1 * gst[4] + y1 * gst[5])
-            for ci in range(Cg):
-                t += _to_acc(gptr[go + ci * gst[1]], zero)
-        mb = mbase + b * mst[0] + g * Cg * mst[1]
-        m0 = mb + x0 * mst[2] + y0 * mst[3]
-        m1 = mb + x1 * mst[2] + y1 * mst[3]
-        for ci in range(Cg):
-            t += _to_acc(mptr[m0 + ci * mst[1]], zero) * _to_acc(mptr[m1 + ci * mst[1]], zero)
-        return t
-
-    @cuda.jit(device=True)
-    def _fused_body(buf, optr, obase, ost, gptr, gbase, gst, has_g, mptr, mbase, mst,
-                    cptr, cbase, cst, has_c, cval, geo, chunk, zero):
-        G, Cg, Cog = geo[1], geo[2], geo[3]
-        H, W, Ho, Wo = geo[4], geo[5], geo[6], geo[7]
-        HW = H * W
-        P = Ho * Wo
-        parts = (Cog + chunk - 1) // chunk
-        bg = cuda.blockIdx.x // parts
-        c_lo = (cuda.blockIdx.x - bg * parts) * chunk
-        n = min(chunk, Cog - c_lo)
-        b = bg // G
-        g = bg - b * G
-        ts = buf[:HW * HW]
-        cs = buf[HW * HW:]
-        tid = cuda.threadIdx.x
-        nt = cuda.blockDim.x
-        q = tid
-        while q < HW * HW:
-            q0 = q // HW
-            q1 = q - q0 * HW
-            x0 = q0 // W
-            x1 = q1 // W
-            ts[q] = _t_value(gptr, gbase, gst, has_g, mptr, mbase, mst, b, g, Cg,
-                             x0, q0 - x0 * W, x1, q1 - x1 * W, zero)
-            q += nt
-        _stage_c(cs, n, cptr, cbase, cst, has_c, cval, g * Cog + c_lo, zero)
-        cuda.syncthreads()
-        osc = ost[1]
-        obg = obase + b * ost[0] + (g * Cog + c_lo) * osc
-        p = tid
-        while p < P * P:
-            p0 = p // P
-            p1 = p - p0 * P
-            i0 = p0 // Wo
-            i1 = p1 // Wo
-            j0 = p0 - i0 * Wo
-            j1 = p1 - i1 * Wo
-            s = _s_value(ts, 0, geo, i0, j0, i1, j1, zero)
-            _add_to_channels(optr, obg + i0 * ost[2] + j0 * ost[3] + i1 * ost[4] + j1 * ost[5],
-                             osc, cs, n, s, zero)
-            p += nt
-
-    # Dynamic shared memory has one element type per kernel, fixed at compile time: one
-    # thin kernel per accumulation dtype around each body.
-    def _t_kernel_f32(tptr, gptr, gbase, gst, has_g, mptr, mbase, mst, geo, cap, zero):
-        ms = cuda.shared.array(0, numba.float32)
-        _t_rows(ms, tptr, gptr, gbase, gst, has_g, mptr, mbase, mst, geo, cap, zero)
-
-    def _t_kernel_f64(tptr, gptr, gbase, gst, has_g, mptr, mbase, mst, geo, cap, zero):
-        ms = cuda.shared.array(0, numba.float64)
-        _t_rows(ms, tptr, gptr, gbase, gst, has_g, mptr, mbase, mst, geo, cap, zero)
-
-    def _out_kernel_f32(optr, obase, ost, cptr, cbase, cst, has_c, cval, tptr, geo, cap, zero):
-        cs = cuda.shared.array(0, numba.float32)
-        _out_rows(cs, optr, obase, ost, cptr, cbase, cst, has_c, cval, tptr, geo, cap, zero)
-
-    def _out_kernel_f64(optr, obase, ost, cptr, cbase, cst, has_c, cval, tptr, geo, cap, zero):
-        cs = cuda.shared.array(0, numba.float64)
-        _out_rows(cs, optr, obase, ost, cptr, cbase, cst, has_c, cval, tptr, geo, cap, zero)
-
-    def _fused_kernel_f32(optr, obase, ost, gptr, gbase, gst, has_g, mptr, mbase, mst,
-                          cptr, cbase, cst, has_c, cval, geo, chunk, zero):
-        buf = cuda.shared.array(0, numba.float32)
-        _fused_body(buf, optr, obase, ost, gptr, gbase, gst, has_g, mptr, mbase, mst,
-                    cptr, cbase, cst, has_c, cval, geo, chunk, zero)
-
-    def _fused_kernel_f64(optr, obase, ost, gptr, gbase, gst, has_g, mptr, mbase, mst,
-                          cptr, cbase, cst, has_c, cval, geo, chunk, zero):
-        buf = cuda.shared.array(0, numba.float64)
-        _fused_body(buf, optr, obase, ost, gptr, gbase, gst, has_g, mptr, mbase, mst,
-                    cptr, cbase, cst, has_c, cval, geo, chunk, zero)
+# ---------------------------------------------------------------------------------------
+# The backward.
+# ---------------------------------------------------------------------------------------
+if _IMPORT_ERROR is None:
 
     # -------------------------------------------------------------------------------------
     # The backward (Backend.patch_moment_vjp, docs/autograd.md): two gathers, no atomics,
@@ -652,6 +832,8 @@ _compiled: dict = {}  # (kernel name, element types) -> compiled kernel
 _device_kernels: dict = {}  # (kernel name, element types, device id) -> cuda.core kernel
 _streams: dict = {}  # stream handle -> cuda.core Stream (a non-owning wrapper)
 _limits: dict = {}  # device id -> Limits
+_configs: dict = {}  # (grid, block) -> cuda.core LaunchConfig
+_core = None  # the cuda.core module, imported on the first launch
 
 
 def _signature(name, elems, acc):
@@ -659,13 +841,16 @@ def _signature(name, elems, acc):
     i64, A = nbt.int64, getattr(nbt, acc)
     ptr = [nbt.CPointer(getattr(nbt, e)) for e in elems]
     t6, t4, geo = nbt.UniTuple(i64, 6), nbt.UniTuple(i64, 4), nbt.UniTuple(i64, 16)
-    if name == "t":  # T, gamma, mu
-        args = (nbt.CPointer(A), ptr[0], i64, t6, i64, ptr[1], i64, t4, geo, i64, A)
-    elif name == "out":  # out, c
-        args = (ptr[0], i64, t6, ptr[1], i64, i64, i64, A, nbt.CPointer(A), geo, i64, A)
-    elif name == "fused":  # out, gamma, mu, c
+    acc_ptr = nbt.CPointer(A)
+    if name == "gsum":  # T, gamma, mu
+        args = (acc_ptr, ptr[0], i64, t6, i64, ptr[1], i64, t4, geo, i64, A)
+    elif name == "sbox":  # S, T
+        args = (acc_ptr, acc_ptr, geo, i64, A)
+    elif name == "stream":  # out, c, S
+        args = (ptr[0], i64, t6, ptr[1], i64, i64, i64, A, acc_ptr, geo, i64, i64, i64, A)
+    elif name == "direct":  # out, gamma, mu, c
         args = (ptr[0], i64, t6, ptr[1], i64, t6, i64, ptr[2], i64, t4,
-                ptr[3], i64, i64, i64, A, geo, i64, A)
+                ptr[3], i64, i64, i64, A, geo, i64, i64, i64, A)
     elif name == "vjp_gamma":  # grad_S, grad_gamma
         args = (ptr[0], i64, t6, ptr[1], i64, t6, geo, A)
     else:  # vjp_mu: grad_S, mu, grad_mu
@@ -673,19 +858,25 @@ def _signature(name, elems, acc):
     return nbt.void(*args)
 
 
-def _kernel(name, elems, acc):
-    """The compiled kernel ``name`` for these pointer element types (compiled once)."""
-    key = (name, elems, acc)
+_FACTORIES = {"gsum": "_make_gsum", "sbox": "_make_sbox", "stream": "_make_stream",
+              "direct": "_make_direct"}
+
+
+def _kernel(name, elems, acc, V=1):
+    """The compiled kernel ``name`` for these pointer element types, accumulation dtype and
+    vector width (compiled once)."""
+    key = (name, elems, acc, V)
     k = _compiled.get(key)
     if k is None:
         with _lock:
             k = _compiled.get(key)
             if k is None:
-                f64 = acc == "float64"
-                fn = {"t": _t_kernel_f64 if f64 else _t_kernel_f32,
-                      "out": _out_kernel_f64 if f64 else _out_kernel_f32,
-                      "fused": _fused_kernel_f64 if f64 else _fused_kernel_f32,
-                      "vjp_gamma": _vjp_gamma_kernel, "vjp_mu": _vjp_mu_kernel}[name]
+                if name in _FACTORIES:
+                    # OT: the element type of the first pointer (out's, for stream)
+                    ot = getattr(nbt, elems[0]) if elems else None
+                    fn = globals()[_FACTORIES[name]](V, getattr(nbt, acc), ot)
+                else:
+                    fn = {"vjp_gamma": _vjp_gamma_kernel, "vjp_mu": _vjp_mu_kernel}[name]
                 if SIM:
                     k = cuda.jit(fn)
                 else:
@@ -699,17 +890,21 @@ def _kernel(name, elems, acc):
 class Limits:
     """What the launch sizes are computed from, read off one device."""
 
-    def __init__(self, sms, threads_per_sm, shared_per_block):
+    def __init__(self, sms, threads_per_sm):
         self.sms = sms
         self.threads_per_sm = threads_per_sm
-        self.shared_per_block = shared_per_block
+
+    @property
+    def capacity(self):
+        """Threads resident on the whole device at once."""
+        return self.sms * self.threads_per_sm
 
     def grid(self, n_blocks, block):
-        """Blocks to launch for ``n_blocks`` rows of work (the kernels loop over rows with
-        the grid's stride): all of them up to WAVES full waves of the device, so that the
-        hardware's block scheduler evens out the tail, and a loop beyond that."""
-        resident = self.sms * max(1, self.threads_per_sm // block)
-        return max(1, min(n_blocks, resident * WAVES))
+        """Blocks to launch for ``n_blocks`` blocks of work (the kernels loop with the
+        grid's stride beyond MAX_GRID; under the simulator, beyond one wave)."""
+        if SIM:
+            return max(1, min(n_blocks, self.sms * max(1, self.threads_per_sm // block)))
+        return max(1, min(n_blocks, MAX_GRID))
 
 
 def _block(n):
@@ -724,11 +919,10 @@ def _device_limits(dev_id):
     lim = _limits.get(dev_id)
     if lim is None:
         if SIM:
-            lim = Limits(2, 2 * THREADS, 48 * 1024)
+            lim = Limits(2, 2 * THREADS)
         else:
             d = cuda.get_current_device()
-            lim = Limits(d.MULTIPROCESSOR_COUNT, d.MAX_THREADS_PER_MULTIPROCESSOR,
-                         d.MAX_SHARED_MEMORY_PER_BLOCK)
+            lim = Limits(d.MULTIPROCESSOR_COUNT, d.MAX_THREADS_PER_MULTIPROCESSOR)
         _limits[dev_id] = lim
     return lim
 
@@ -772,16 +966,6 @@ def _diag_strides(st, full):
     return tuple(st)
 
 
-def _stream_handle(p):
-    """The handle of the arrays' library's current stream on their device."""
-    dev = p.device[1]
-    if p.kind == "torch":
-        return sys.modules["torch"].cuda.current_stream(dev).cuda_stream
-    if p.kind == "cupy":
-        return sys.modules["cupy"].cuda.get_current_stream(-1 if dev is None else dev).ptr
-    return 0  # other CUDA arrays: the legacy default stream, ordered with blocking streams
-
-
 def _core_stream(handle):
     """A cuda.core view of a stream handle (owns nothing, so one per handle is reused)."""
     s = _streams.get(handle)
@@ -816,26 +1000,27 @@ def _flatten(args, acc_ctype):
     ints as 64-bit (pointers and int64 alike), floats as the accumulation type."""
     flat = []
     for a in args:
-        if isinstance(a, tuple):
+        t = type(a)
+        if t is tuple:
             flat.extend(a if min(a, default=0) >= 0 else [ctypes.c_int64(v) for v in a])
-        elif isinstance(a, float):
+        elif t is float:
             flat.append(acc_ctype(a))
         else:
             flat.append(a if a >= 0 else ctypes.c_int64(a))  # negative: strides of views
     return flat
 
 
-def _overload(name, elems, acc):
+def _overload(name, elems, acc, V):
     """Numba's compiled kernel object (the dispatcher has exactly one signature)."""
-    return next(iter(_kernel(name, elems, acc).overloads.values()))
+    return next(iter(_kernel(name, elems, acc, V).overloads.values()))
 
 
-def _device_kernel(name, elems, acc, dev_id):
+def _device_kernel(name, elems, acc, V, dev_id):
     """The cuda.core kernel of a compiled kernel, loaded into the current device's context."""
-    key = (name, elems, acc, dev_id)
+    key = (name, elems, acc, V, dev_id)
     k = _device_kernels.get(key)
     if k is None:
-        overload = _overload(name, elems, acc)
+        overload = _overload(name, elems, acc, V)
         with _lock:
             k = _device_kernels.get(key)
             if k is None:
@@ -849,34 +1034,49 @@ def _device_kernel(name, elems, acc, dev_id):
 FAST_LAUNCH = True
 
 
-def _launch(name, elems, acc, dev_id, grid, block, shmem, stream, args):
+def _launch(name, elems, acc, V, dev_id, n_blocks, lim, stream, args, block=THREADS):
+    """Launch kernel ``name`` for ``n_blocks`` blocks of work (Limits.grid)."""
+    grid = lim.grid(n_blocks, block)
     if SIM:
-        _kernel(name, elems, acc)[grid, block, 0, shmem](*args)
+        _kernel(name, elems, acc, V)[grid, block](*args)
         return
     if not FAST_LAUNCH:
-        _overload(name, elems, acc).launch(args, (grid, 1, 1), (block, 1, 1), stream, shmem)
+        _overload(name, elems, acc, V).launch(args, (grid, 1, 1), (block, 1, 1), stream, 0)
         return
-    from cuda.core import LaunchConfig, launch
+    global _core
+    if _core is None:
+        from cuda import core  # the cuda-python package, not numba.cuda
 
-    kernel = _device_kernel(name, elems, acc, dev_id)
-    cfg = LaunchConfig(grid=(grid, 1, 1), block=(block, 1, 1), shmem_size=shmem)
-    launch(stream, cfg, kernel,
-           *_flatten(args, ctypes.c_float if acc == "float32" else ctypes.c_double))
+        _core = core
+    kernel = _device_kernel(name, elems, acc, V, dev_id)
+    cfg = _configs.get((grid, block))
+    if cfg is None:
+        if len(_configs) > 4096:
+            _configs.clear()
+        cfg = _configs[(grid, block)] = _core.LaunchConfig(grid=(grid, 1, 1), block=(block, 1, 1))
+    _core.launch(stream, cfg, kernel,
+                 *_flatten(args, ctypes.c_float if acc == "float32" else ctypes.c_double))
 
 
-def _fused_chunk(p, lim):
-    """Output channels per block of the one-launch kernel, or 0 when it does not apply:
-    T of one (b, g) must fit in shared memory, and be cheap to build (small problems)."""
-    HW = p.H * p.W
-    Cog = p.Co // p.G
-    room = lim.shared_per_block // _ACC_BYTES[p.acc] - HW * HW
-    if room < 1 or (p.Ci // p.G) * HW * HW > FUSED_MAX_TERMS:
-        return 0
-    # Split a group's output channels over several blocks when there are fewer (b, g)
-    # pairs than multiprocessors (each block rebuilds the small T).
-    parts = max(1, min(Cog, -(-2 * lim.sms // (p.B * p.G))))
-    chunk = -(-Cog // parts)
-    return chunk if chunk <= room else 0
+_ready: dict = {}  # device id -> handle of the context its kernels run in (Numba's)
+
+
+def _current_context():
+    """Handle of the CUDA context current on this thread (0: none)."""
+    from cuda.bindings import driver
+
+    err, ctx = driver.cuCtxGetCurrent()
+    return int(ctx) if err == driver.CUresult.CUDA_SUCCESS else -1
+
+
+def _direct(p):
+    """Whether the one-launch kernel takes this problem: small ones (launches cost more
+    than the arithmetic), and large strides, where T would hold mostly positions no
+    output reads (not when T is no larger than S, as for 1x1 kernels)."""
+    HW, HoWo = p.H * p.W, p.Ho * p.Wo
+    terms = p.B * p.G * HoWo * HoWo * max(p.Ci // p.G, 1) * p.kh * p.kw
+    sparse_t = HW * HW > HoWo * HoWo and p.kh * p.kw * HoWo * HoWo <= DIRECT_RATIO * HW * HW
+    return terms <= DIRECT_TERMS or sparse_t
 
 
 class NumbaCudaBackend(Backend):
@@ -910,8 +1110,16 @@ class NumbaCudaBackend(Backend):
         if dev is None:  # a CUDA array of unknown device: Numba's current one
             run(call, cuda.get_current_device().id)
             return
+        ctx = _ready.get(dev)
+        if ctx is not None and ctx == _current_context():
+            # The device's context is current on this thread already (the arrays' library
+            # made it so): Numba's context push and pop, several microseconds of the toy's
+            # budget, are not needed for a launch.
+            run(call, dev)
+            return
         with cuda.gpus[dev]:
             run(call, dev)
+            _ready[dev] = _current_context()
 
     def accumulate(self, p) -> None:
         self._on_device(self._run, p)
@@ -941,39 +1149,61 @@ class NumbaCudaBackend(Backend):
         geo = (p.B, p.G, p.Ci // p.G, p.Co // p.G, p.H, p.W, p.Ho, p.Wo, p.kh, p.kw,
                p.sh, p.sw, p.ph, p.pw, p.dh, p.dw)
         HW = p.H * p.W
-        stream = None if SIM else _core_stream(_stream_handle(p))
+        stream = None if SIM else _core_stream(current_stream(p.kind, p.device[1]))
 
-        Cog = p.Co // p.G
-        abytes = _ACC_BYTES[acc]
-        chunk = _fused_chunk(p, lim)
-        if chunk:
-            args = (optr, obase, ost, gptr, gbase, gst, has_g, mptr, mbase, mst,
-                    cptr, cbase, cst, has_c, cval, geo, chunk, zero)
-            _launch("fused", (out_t, gamma_t, mu_t, c_t), acc, dev_id,
-                    p.B * p.G * -(-Cog // chunk), THREADS, (HW * HW + chunk) * abytes,
-                    stream, args)
+        Cog, HoWo = p.Co // p.G, p.Ho * p.Wo
+        if _direct(p):
+            # Split each group's output channels into chunks when one thread per element
+            # of S would leave the device under-filled; every chunk recomputes S.
+            items = p.B * p.G * HoWo * HoWo
+            chunk = -(-Cog // max(1, min(Cog, -(-lim.capacity // items))))
+            n = items * -(-Cog // chunk)
+            _launch("direct", (out_t, gamma_t, mu_t, c_t), acc, 1, dev_id, -(-n // THREADS),
+                    lim, stream, (optr, obase, ost, gptr, gbase, gst, has_g, mptr, mbase, mst,
+                                  cptr, cbase, cst, has_c, cval, geo, n // items, chunk, n,
+                                  zero))
             return
 
-        stage = min(STAGE_BYTES, lim.shared_per_block)
+        # Three launches through one scratch buffer: S (padded to 256 bytes), then T.
+        abytes = _ACC_BYTES[acc]
+        n_s = p.B * p.G * HoWo * HoWo
         n_t = p.B * p.G * HW * HW
+        s_pad = -(-n_s * abytes // 256) * 256 // abytes
         if SIM:
-            tbuf = np.empty(max(n_t, 1), acc)
-            tptr = tbuf
+            buf = np.empty(s_pad + n_t, acc)
+            sptr, tptr = buf, buf[s_pad:]
         else:
-            tbuf, tptr = _workspace(p, n_t, acc)
+            buf, sptr = _workspace(p, s_pad + n_t, acc)
+            tptr = sptr + s_pad * abytes
         if n_t:
-            cap = max(1, min(p.Ci // p.G, stage // (2 * abytes)))
-            block = _block(HW)
-            _launch("t", (gamma_t, mu_t), acc, dev_id,
-                    lim.grid(p.B * p.G * -(-HW // 2), block), block, 2 * cap * abytes, stream,
-                    (tptr, gptr, gbase, gst, has_g, mptr, mbase, mst, geo, cap, zero))
-        P = p.Ho * p.Wo
-        block = _block(P)
-        cap = max(1, min(Cog, stage // abytes))
-        _launch("out", (out_t, c_t), acc, dev_id, lim.grid(p.B * p.G * P, block), block,
-                cap * abytes, stream,
-                (optr, obase, ost, cptr, cbase, cst, has_c, cval, tptr, geo, cap, zero))
-        del tbuf  # freed to the library's stream-ordered pool after the launches
+            if p.gamma is None:
+                V = vector_width(_ITEMSIZE[mu_t], HW, mst[2:], (p.H, p.W), mst[:2],
+                                 p.mu_info.ptr)
+            else:
+                V = vector_width(_ITEMSIZE[gamma_t], HW, gst[4:], (p.H, p.W), gst[:4],
+                                 p.gamma_info.ptr,
+                                 ((_ITEMSIZE[mu_t], mst[2:], mst[:2], p.mu_info.ptr),))
+            n = n_t // V
+            _launch("gsum", (gamma_t, mu_t), acc, V, dev_id, -(-n // THREADS), lim, stream,
+                    (tptr, gptr, gbase, gst, has_g, mptr, mbase, mst, geo, n, zero))
+        _launch("sbox", (), acc, 1, dev_id, -(-n_s // THREADS), lim, stream,
+                (sptr, tptr, geo, n_s, zero))
+        # out[b, c0] as segments contiguous in S[b, g]: the whole (i0, j0, i1, j1) plane
+        # when it is contiguous in out (a flat axpy), else one segment per (i0, j0).
+        osize = _ITEMSIZE[out_t]
+        if contiguous(ost[2:], (p.Ho, p.Wo, p.Ho, p.Wo)):
+            nseg, seg_len = 1, HoWo * HoWo
+            V = vector_width(osize, seg_len, ost[2:], (p.Ho, p.Wo, p.Ho, p.Wo), ost[:2],
+                             p.out_info.ptr)
+        else:
+            nseg, seg_len = HoWo, HoWo
+            V = vector_width(osize, HoWo, ost[4:], (p.Ho, p.Wo), ost[:4], p.out_info.ptr)
+        su = STREAM_SU_16 if osize == 2 else STREAM_SU
+        tiles = -(-nseg * (seg_len // V) // (THREADS * su))
+        _launch("stream", (out_t, c_t), acc, V, dev_id, p.B * p.G * Cog * tiles, lim, stream,
+                (optr, obase, ost, cptr, cbase, cst, has_c, cval, sptr, geo, nseg, seg_len,
+                 tiles, zero))
+        del buf  # freed to the library's stream-ordered pool after the launches
 
     def patch_moment_vjp(self, a) -> None:
         """The backward (docs/autograd.md, docs/numba_cuda.md "Backward"): one launch for
@@ -985,7 +1215,7 @@ class NumbaCudaBackend(Backend):
         acc = a.acc
         zero = np.dtype(acc).type(0) if SIM else 0.0
         lim = _device_limits(dev_id)
-        stream = None if SIM else _core_stream(_stream_handle(a))
+        stream = None if SIM else _core_stream(current_stream(a.kind, a.device[1]))
         G, Cg, HW = a.G, a.Ci // a.G, a.H * a.W
         geo = (a.B, G, Cg, 0, a.H, a.W, a.Ho, a.Wo, a.kh, a.kw,
                a.sh, a.sw, a.ph, a.pw, a.dh, a.dw)
@@ -995,18 +1225,16 @@ class NumbaCudaBackend(Backend):
             g_t = _PTR_TYPE[a.grad_gamma_info.dtype]
             gptr, gbase, gst = _pointer(a.grad_gamma, a.grad_gamma_info)
             gst = _diag_strides(gst, a.full_gamma)
-            block = _block(HW)
-            _launch("vjp_gamma", (s_t, g_t), acc, dev_id, lim.grid(a.B * G * HW, block),
-                    block, 0, stream, (sptr, sbase, sst, gptr, gbase, gst, geo, zero))
+            _launch("vjp_gamma", (s_t, g_t), acc, 1, dev_id, a.B * G * HW, lim, stream,
+                    (sptr, sbase, sst, gptr, gbase, gst, geo, zero), _block(HW))
         if a.grad_mu is not None:
             m_t, d_t = _PTR_TYPE[a.mu_info.dtype], _PTR_TYPE[a.grad_mu_info.dtype]
             mptr, mbase, mst = _pointer(a.mu, a.mu_info)
             dptr, dbase, dst = _pointer(a.grad_mu, a.grad_mu_info)
             block = _block(HW)
             n_blocks = a.B * G * -(-Cg // 4) * -(-HW // block)
-            _launch("vjp_mu", (s_t, m_t, d_t), acc, dev_id, lim.grid(n_blocks, block), block,
-                    0, stream, (sptr, sbase, sst, mptr, mbase, mst, dptr, dbase, dst, geo,
-                                zero))
+            _launch("vjp_mu", (s_t, m_t, d_t), acc, 1, dev_id, n_blocks, lim, stream,
+                    (sptr, sbase, sst, mptr, mbase, mst, dptr, dbase, dst, geo, zero), block)
 
 
 backend = NumbaCudaBackend()
