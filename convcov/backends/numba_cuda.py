@@ -96,6 +96,19 @@ MAX_GRID = 2**31 - 1
 DIRECT_TERMS = 1 << 22
 #: ... and so do problems where kh*kw*(Ho*Wo)**2 <= DIRECT_RATIO * (H*W)**2 (large strides).
 DIRECT_RATIO = 2
+#: Vectors of out a stream thread has in flight: 4 x 16 bytes; 2 for 16-bit out, whose
+#: 16-byte vectors need 32 bytes of S and 16 registers of sums each (4 vectors: 114
+#: registers, 2 blocks a multiprocessor; 2: 72 registers, 3 blocks; big-f16 4548 us
+#: against 4754-4889 us on the H200, 2026-11-30; float32 at 2 was slower: 6268 against
+#: 5963-5990 us).
+STREAM_SU = 4
+STREAM_SU_16 = 2
+#: Cache qualifier of the loads and stores of data touched once (gamma, out): "cs",
+#: evict-first (or "": none) ...
+STREAMING = "cs"
+#: ... and of the loads of data re-read from the caches (S, T, mu): "nc", the
+#: read-only path (or "": a plain load).
+READONLY = "nc"
 
 _ACC_BYTES = {"float32": 4, "float64": 8}
 _ITEMSIZE = {"float16": 2, "uint16": 2, "float32": 4, "float64": 8}  # by pointer type
@@ -513,20 +526,6 @@ if _IMPORT_ERROR is None:
 
         return sbox
 
-    #: Vectors of out a stream thread has in flight: 4 x 16 bytes; 2 for 16-bit out, whose
-    #: 16-byte vectors need 32 bytes of S and 16 registers of sums each (4 vectors: 114
-    #: registers, 2 blocks a multiprocessor; 2: 72 registers, 3 blocks; big-f16 4548 us
-    #: against 4754-4889 us on the H200, 2026-11-30; float32 at 2 was slower: 6268 against
-    #: 5963-5990 us).
-    STREAM_SU = 4
-    STREAM_SU_16 = 2
-    #: Cache qualifier of the loads and stores of data touched once (gamma, out): "cs",
-    #: evict-first (or "": none) ...
-    STREAMING = "cs"
-    #: ... and of the loads of data re-read from the caches (S, T, mu): "nc", the
-    #: read-only path (or "": a plain load).
-    READONLY = "nc"
-
     def _make_stream(V, ACC, OT):
         """out[b, c0, i0, j0, (c0,) i1, j1] += c[c0] * S[b, g(c0)] in address order.
         out[b, c0] is ``nseg`` segments of ``seg_len`` elements contiguous in S[b, g]: one
@@ -858,6 +857,9 @@ def _signature(name, elems, acc):
     return nbt.void(*args)
 
 
+#: The forward kernels' factories, all called as factory(V, ACC, OT): vector width, the
+#: accumulation type and the element type of the first pointer (those that need none of
+#: them ignore it; each is a compile-time constant of the kernel it returns).
 _FACTORIES = {"gsum": "_make_gsum", "sbox": "_make_sbox", "stream": "_make_stream",
               "direct": "_make_direct"}
 
