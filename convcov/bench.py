@@ -257,6 +257,23 @@ def _impls(dev, backends, with_torch):
     return impls
 
 
+def _not_measured(dev, backends):
+    """Backends left out of a run, and why: those of this device that are not available
+    here (a run should say so, not just lack their rows), and those asked for by name
+    that run on another device."""
+    out = []
+    for row in convcov.backends():
+        on_device = _registry.get(row.name).device == dev.name
+        if backends and row.name not in backends:
+            continue
+        if on_device and not row.available:
+            out.append(dict(backend=row.name, reason=row.reason))
+        elif not on_device and backends:
+            out.append(dict(backend=row.name, reason=f"runs on {row.device} arrays, "
+                                                     f"not {dev.name}"))
+    return out
+
+
 def _row(dev, w, name, call, floor_s, repeat, budget_s, check=None) -> Row:
     """One row: ``check()`` (the relative error, or no check), warm-up, timed calls. A
     failing implementation is a row, not a crash."""
@@ -367,6 +384,7 @@ def run(device="cpu", workloads=None, backends=None, with_torch=True, repeat=200
         device=device, machine=dev.describe(), convcov=convcov.__version__,
         versions=_versions(), copy_bandwidth_GBps=bandwidth / 1e9,
         workloads=[asdict(w) for w in chosen], rows=[asdict(r) for r in rows],
+        not_measured=_not_measured(dev, backends),
     )
 
 

@@ -86,6 +86,8 @@ def cmd_bench(args):
             result = bench.run(device, args.workload, args.backend, not args.no_torch,
                                args.repeat, args.budget, progress, args.grad)
         console.print(bench.table(result))
+        for skip in result["not_measured"]:
+            console.print(f"not measured: {skip['backend']}: {skip['reason']}")
         results.append(result)
     if args.json:
         bench.save_json(results[0] if len(results) == 1 else {"runs": results}, args.json)

@@ -33,6 +33,26 @@ def test_bench_toy_json(tmp_path, capsys):
     assert "toy" in capsys.readouterr().out
 
 
+def test_bench_says_which_backends_it_left_out(tmp_path, capsys, monkeypatch):
+    """A backend that cannot run here is named with its reason, in the JSON and on screen,
+    rather than silently missing from the table."""
+    from convcov import _registry
+
+    numba = _registry.get("numba")
+    monkeypatch.setattr(numba, "unavailable_reason", lambda: "numba: broken on purpose")
+    path = tmp_path / "r.json"
+    cli.main(["bench", "--device", "cpu", "--workload", "toy", "--backend", "numpy",
+              "--backend", "numba", "--backend", "cupy", "--no-torch", "--repeat", "3",
+              "--budget", "0.1", "--json", str(path)])
+    result = json.loads(path.read_text())
+    assert [r["impl"] for r in result["rows"]] == ["numpy"]
+    left = {s["backend"]: s["reason"] for s in result["not_measured"]}
+    assert left["numba"] == "numba: broken on purpose"
+    assert left["cupy"]  # another device's backend, asked for by name: said why
+    screen = capsys.readouterr().out
+    assert "not measured: numba: numba: broken on purpose" in screen
+
+
 def test_bench_rejects_unknown_device():
     with pytest.raises(SystemExit):
         cli.main(["bench", "--device", "tpu"])
