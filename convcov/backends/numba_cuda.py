@@ -211,16 +211,19 @@ if _IMPORT_ERROR is None:
             return lambda ptr, v: v
 
 # ---------------------------------------------------------------------------------------
-# Vector loads and stores. Numba has no syntax for a 16-byte access, so ``_LDV[n, cs](ptr,
-# i)`` is an intrinsic that loads ptr[i : i + n] as one vector (ld.global.v4.f32 / v2.f64,
-# or v4.b32 words for eight 16-bit values) and returns the n elements as a tuple, and
-# ``_STV[n, cs](ptr, i, arr, k)`` stores arr[k : k + n] (a local array of ptr's element
-# type) the same way. ``cs`` marks data touched once (gamma, out): those go through inline
-# PTX with the .cs ("cache streaming", evict-first) qualifier, so that streaming gigabytes
-# through L2 does not evict what is re-read from it (S, T, mu): without it, the out
-# update of `big` re-read S from DRAM and ran at 2.6 TB/s (H200, 2026-11-30). The caller
-# guarantees the alignment (n * itemsize bytes, at most 16; checked on the host by
-# convcov._arrays.vector_width). Under the simulator they are plain indexing.
+# Vector loads and stores. Numba has no syntax for a 16-byte access, so
+# ``_LDV[n, hint](ptr, i)`` is an intrinsic that loads ptr[i : i + n] as one vector
+# (ld.global.v4.f32 / v2.f64, or v4.b32 words for eight 16-bit values) and returns the n
+# elements as a tuple, and ``_STV[n, hint](ptr, i, arr, k)`` stores arr[k : k + n] (a
+# local array of ptr's element type) the same way. ``hint`` is a PTX cache qualifier:
+# "cs" (evict-first) for the data touched once (gamma, out), "nc" (the read-only path)
+# for the data re-read from the caches (S, T, mu), "" for none; with one, the access is
+# inline PTX, at most 16 bytes an instruction. On the H200 (2026-11-30) neither qualifier
+# moved `big` beyond the noise by itself (.cs: 8066 against 8158 us; .nc: 5963-5990
+# against 5938 us); they are the habits of the cupy backend's kernels, and the whole
+# suite ran with them. The caller guarantees the alignment (n * itemsize bytes, at most
+# 16; checked on the host by convcov._arrays.vector_width). Under the simulator they are
+# plain indexing.
 # ---------------------------------------------------------------------------------------
 if _IMPORT_ERROR is None:
     if not SIM:
