@@ -37,14 +37,25 @@ pytestmark = [
 
 
 # --------------------------------------------------------------------------- references
+def _pair(v):
+    return (v, v) if np.isscalar(v) else tuple(v)
+
+
+def _geometry(H, W, k, stride, padding, dilation):
+    """The conv parameters as pairs, and (Ho, Wo) as torch's conv2d gives them."""
+    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = map(_pair, (k, stride, padding, dilation))
+    Ho = (H + 2 * ph - dh * (kh - 1) - 1) // sh + 1
+    Wo = (W + 2 * pw - dw * (kw - 1) - 1) // sw + 1
+    return (kh, kw), (sh, sw), (ph, pw), (dh, dw), Ho, Wo
+
+
 def op_slow(out, gamma, mu, c, k, stride=1, padding=0, dilation=1, groups=1):
     """The literal float64 loops of tests/kinds.py, taking convcov's argument forms."""
-    pair = lambda v: (v, v) if np.isscalar(v) else tuple(v)  # noqa: E731
     f64 = lambda a: None if a is None else np.asarray(a, np.float64)  # noqa: E731
     out = f64(out)
     c = np.broadcast_to(f64(c), (out.shape[1],))
-    return op_loops(out, f64(gamma), f64(mu), c, *pair(k), pair(stride), pair(padding),
-                    pair(dilation), groups)
+    return op_loops(out, f64(gamma), f64(mu), c, *_pair(k), _pair(stride), _pair(padding),
+                    _pair(dilation), groups)
 
 
 def round_exact(d, mant_bits, min_exp, max_finite):
@@ -204,12 +215,8 @@ def test_bfloat16_encode_round_to_nearest_even():
 # --------------------------------------------------------------------------- the operation
 def _problem(rng, B, Ci, Co, H, W, k, stride=1, padding=0, dilation=1, groups=1,
              full=True, gamma=True, c_kind="array", dtype=np.float64):
-    kh, kw = (k, k) if np.isscalar(k) else k
-    sh, sw = (stride, stride) if np.isscalar(stride) else stride
-    ph, pw = (padding, padding) if np.isscalar(padding) else padding
-    dh, dw = (dilation, dilation) if np.isscalar(dilation) else dilation
-    Ho = (H + 2 * ph - dh * (kh - 1) - 1) // sh + 1
-    Wo = (W + 2 * pw - dw * (kw - 1) - 1) // sw + 1
+    (kh, kw), (sh, sw), (ph, pw), (dh, dw), Ho, Wo = _geometry(H, W, k, stride, padding,
+                                                               dilation)
     out = rng.standard_normal((B, Co, Ho, Wo, Co, Ho, Wo) if full
                               else (B, Co, Ho, Wo, Ho, Wo)).astype(dtype)
     g = (rng.standard_normal((B, Ci, H, W, Ci, H, W) if full else (B, Ci, H, W, H, W))
@@ -504,12 +511,8 @@ def test_call_in_forked_child_after_parent_used_it():
 # comparison with autograd through the plain expression run in test_autograd.py.
 def _vjp_problem(rng, B, Ci, H, W, k, stride=1, padding=0, dilation=1, groups=1,
                  dtype=np.float64, **_):
-    kh, kw = (k, k) if np.isscalar(k) else k
-    sh, sw = (stride, stride) if np.isscalar(stride) else stride
-    ph, pw = (padding, padding) if np.isscalar(padding) else padding
-    dh, dw = (dilation, dilation) if np.isscalar(dilation) else dilation
-    Ho = (H + 2 * ph - dh * (kh - 1) - 1) // sh + 1
-    Wo = (W + 2 * pw - dw * (kw - 1) - 1) // sw + 1
+    (kh, kw), (sh, sw), (ph, pw), (dh, dw), Ho, Wo = _geometry(H, W, k, stride, padding,
+                                                               dilation)
     grad_S = rng.standard_normal((B, groups, Ho, Wo, Ho, Wo)).astype(dtype)
     mu = rng.standard_normal((B, Ci, H, W)).astype(dtype)
     kwargs = dict(stride=(sh, sw), padding=(ph, pw), dilation=(dh, dw), groups=groups)

@@ -66,7 +66,7 @@ import threading
 
 import numpy as np
 
-from .._arrays import contiguous, current_stream, vector_width
+from .._arrays import ITEMSIZE, contiguous, current_stream, vector_width
 from .._registry import Backend
 
 try:
@@ -110,8 +110,11 @@ STREAMING = "cs"
 #: read-only path (or "": a plain load).
 READONLY = "nc"
 
-_ACC_BYTES = {"float32": 4, "float64": 8}
-_ITEMSIZE = {"float16": 2, "uint16": 2, "float32": 4, "float64": 8}  # by pointer type
+
+def _stream_su(itemsize):
+    """Vectors of out a stream thread has in flight, for out elements of ``itemsize``."""
+    return STREAM_SU_16 if itemsize == 2 else STREAM_SU
+
 
 # ---------------------------------------------------------------------------------------
 # Element access. bfloat16 travels as uint16 bits (no CUDA-array-interface type code and
@@ -485,8 +488,8 @@ if _IMPORT_ERROR is None:
                 s = zero
                 if inside and kh == 3 and kw == 3:
                     # The common 3x3 kernel away from the padding: nine unconditional
-                    # loads, issued back to back (the general loop below branches
-                    # around each one).
+                    # loads, issued back to back (the general loop branches around
+                    # each one).
                     v0 = ld(tptr, off)[0]
                     v1 = ld(tptr, off + DJ)[0]
                     v2 = ld(tptr, off + 2 * DJ)[0]
@@ -497,33 +500,31 @@ if _IMPORT_ERROR is None:
                     v7 = ld(tptr, off + 2 * DI + DJ)[0]
                     v8 = ld(tptr, off + 2 * DI + 2 * DJ)[0]
                     s = s + v0 + v1 + v2 + v3 + v4 + v5 + v6 + v7 + v8
-                    sptr[e] = s
-                    e += cuda.gridsize(1)
-                    continue
-                ii = 0
-                ji = 0
-                t = 0
-                while t < noff:
-                    tv = cuda.local.array(9, ACC)
-                    for u in range(9):
-                        ok = t + u < noff
-                        if not inside:
-                            x0 = x0b + ii * dh
-                            x1 = x1b + ii * dh
-                            y0 = y0b + ji * dw
-                            y1 = y1b + ji * dw
-                            ok = (ok & (x0 >= 0) & (x0 < H) & (x1 >= 0) & (x1 < H)
-                                  & (y0 >= 0) & (y0 < W) & (y1 >= 0) & (y1 < W))
-                        tv[u] = ld(tptr, off)[0] if ok else zero
-                        off += DJ
-                        ji += 1
-                        if ji == kw:
-                            ji = 0
-                            ii += 1
-                            off += DI - kw * DJ
-                    for u in range(9):
-                        s += tv[u]
-                    t += 9
+                else:
+                    ii = 0
+                    ji = 0
+                    t = 0
+                    while t < noff:
+                        tv = cuda.local.array(9, ACC)
+                        for u in range(9):
+                            ok = t + u < noff
+                            if not inside:
+                                x0 = x0b + ii * dh
+                                x1 = x1b + ii * dh
+                                y0 = y0b + ji * dw
+                                y1 = y1b + ji * dw
+                                ok = (ok & (x0 >= 0) & (x0 < H) & (x1 >= 0) & (x1 < H)
+                                      & (y0 >= 0) & (y0 < W) & (y1 >= 0) & (y1 < W))
+                            tv[u] = ld(tptr, off)[0] if ok else zero
+                            off += DJ
+                            ji += 1
+                            if ji == kw:
+                                ji = 0
+                                ii += 1
+                                off += DI - kw * DJ
+                        for u in range(9):
+                            s += tv[u]
+                        t += 9
                 sptr[e] = s
                 e += cuda.gridsize(1)
 
@@ -537,7 +538,7 @@ if _IMPORT_ERROR is None:
         each thread loads all its vectors of out and S before it stores any. V > 1 only
         when the segments are contiguous and aligned in out (checked on the host)."""
         ldo, lds, st = _LDV[V, STREAMING], _LDV[V, READONLY], _STV[V, STREAMING]
-        SU = STREAM_SU_16 if OT.bitwidth == 16 else STREAM_SU
+        SU = _stream_su(OT.bitwidth // 8)
         SUV = SU * V  # a constant: the size of a local array must be one
 
         def stream(optr, obase, ost, cptr, cbase, cst, has_c, cval, sptr, geo, nseg, seg_len,
@@ -1170,7 +1171,7 @@ class NumbaCudaBackend(Backend):
             return
 
         # Three launches through one scratch buffer: S (padded to 256 bytes), then T.
-        abytes = _ACC_BYTES[acc]
+        abytes = ITEMSIZE[acc]
         n_s = p.B * p.G * HoWo * HoWo
         n_t = p.B * p.G * HW * HW
         s_pad = -(-n_s * abytes // 256) * 256 // abytes
@@ -1182,12 +1183,12 @@ class NumbaCudaBackend(Backend):
             tptr = sptr + s_pad * abytes
         if n_t:
             if p.gamma is None:
-                V = vector_width(_ITEMSIZE[mu_t], HW, mst[2:], (p.H, p.W), mst[:2],
+                V = vector_width(ITEMSIZE[p.mu_info.dtype], HW, mst[2:], (p.H, p.W), mst[:2],
                                  p.mu_info.ptr)
             else:
-                V = vector_width(_ITEMSIZE[gamma_t], HW, gst[4:], (p.H, p.W), gst[:4],
+                V = vector_width(ITEMSIZE[p.gamma_info.dtype], HW, gst[4:], (p.H, p.W), gst[:4],
                                  p.gamma_info.ptr,
-                                 ((_ITEMSIZE[mu_t], mst[2:], mst[:2], p.mu_info.ptr),))
+                                 ((ITEMSIZE[p.mu_info.dtype], mst[2:], mst[:2], p.mu_info.ptr),))
             n = n_t // V
             _launch("gsum", (gamma_t, mu_t), acc, V, dev_id, -(-n // THREADS), lim, stream,
                     (tptr, gptr, gbase, gst, has_g, mptr, mbase, mst, geo, n, zero))
@@ -1195,7 +1196,7 @@ class NumbaCudaBackend(Backend):
                 (sptr, tptr, geo, n_s, zero))
         # out[b, c0] as segments contiguous in S[b, g]: the whole (i0, j0, i1, j1) plane
         # when it is contiguous in out (a flat axpy), else one segment per (i0, j0).
-        osize = _ITEMSIZE[out_t]
+        osize = ITEMSIZE[p.out_info.dtype]
         if contiguous(ost[2:], (p.Ho, p.Wo, p.Ho, p.Wo)):
             nseg, seg_len = 1, HoWo * HoWo
             V = vector_width(osize, seg_len, ost[2:], (p.Ho, p.Wo, p.Ho, p.Wo), ost[:2],
@@ -1203,8 +1204,7 @@ class NumbaCudaBackend(Backend):
         else:
             nseg, seg_len = HoWo, HoWo
             V = vector_width(osize, HoWo, ost[4:], (p.Ho, p.Wo), ost[:4], p.out_info.ptr)
-        su = STREAM_SU_16 if osize == 2 else STREAM_SU
-        tiles = -(-nseg * (seg_len // V) // (THREADS * su))
+        tiles = -(-nseg * (seg_len // V) // (THREADS * _stream_su(osize)))
         _launch("stream", (out_t, c_t), acc, V, dev_id, p.B * p.G * Cog * tiles, lim, stream,
                 (optr, obase, ost, cptr, cbase, cst, has_c, cval, sptr, geo, nseg, seg_len,
                  tiles, zero))
