@@ -48,19 +48,21 @@ def test_module_import_does_not_import_cupy():
 
 
 # ------------------------------------------------------------------ helpers
-@pytest.fixture(params=["direct", "three", "three-chunked"])
+@pytest.fixture(params=["direct", "direct-unsplit", "three", "three-box"])
 def path(request, monkeypatch):
-    """Force one kernel path: one launch (cc_direct), or three (cc_gsum: T, cc_sbox: S,
-    cc_stream: out). "three-chunked" pretends the device has one small multiprocessor, so
-    that cc_stream's tiles take several output channels each and cc_direct splits none."""
+    """Force one kernel path: one launch (cc_direct), or three (cc_gsum: T, cc_sbox_walk
+    or cc_sbox: S, cc_stream: out). "direct-unsplit" pretends the device has one small
+    multiprocessor, so that cc_direct splits no group's output channels into chunks.
+    "three-box" takes cc_sbox where cc_sbox_walk would serve."""
     from convcov.backends import cupy as mod
 
-    if request.param == "direct":
+    if request.param.startswith("direct"):
         monkeypatch.setattr(mod, "_DIRECT_TERMS", 1 << 62)
     else:
         monkeypatch.setattr(mod, "_DIRECT_TERMS", -1)
         monkeypatch.setattr(mod, "_DIRECT_RATIO", 0)
-    if request.param == "three-chunked":
+    monkeypatch.setattr(mod, "_SBOX_WALK", request.param != "three-box")
+    if request.param == "direct-unsplit":
         monkeypatch.setattr(BACKEND, "_sm_threads", lambda dev: (1, 256))
     BACKEND._plans.clear()  # plans remember the path chosen
     yield request.param
@@ -128,6 +130,7 @@ CONV = [
     dict(stride=(2, 1), padding=(1, 2), dilation=(1, 2)),
     dict(H=9, W=9, k=(3, 3), stride=(1, 1), padding=(2, 2), G=1, Ci=3, Co=3),
     dict(H=8, W=8, k=(1, 1), G=2, Ci=4, Co=4),
+    dict(H=9, W=6, k=(7, 2), padding=(2, 1)),  # cc_sbox_walk's tallest kernel
 ]
 
 
@@ -466,12 +469,14 @@ _HOST_CASES = [  # (B, Ci, Co, G, H, W, k, stride, padding, dilation)
     (1, 9, 9, 3, 4, 8, (1, 1), (1, 1), (0, 0), (1, 1)),
     (1, 2, 2, 1, 19, 19, (3, 3), (1, 1), (1, 0), (1, 1)),  # rows longer than a block
     (1, 2, 3, 1, 20, 20, (3, 3), (1, 1), (0, 0), (1, 1)),  # several stream tiles, 8-wide
+    (1, 2, 2, 1, 9, 5, (7, 2), (1, 1), (2, 1), (1, 1)),  # cc_sbox_walk's tallest kernel
+    (1, 2, 2, 1, 9, 3, (8, 1), (1, 1), (1, 0), (1, 1)),  # one taller: cc_sbox
 ]
 
 
 @pytest.mark.parametrize("case", range(len(_HOST_CASES)))
 @pytest.mark.parametrize("dtype", ["float32", "float16", "float64"])
-@pytest.mark.parametrize("forced", ["direct", "three"])
+@pytest.mark.parametrize("forced", ["direct", "three", "three-box"])
 @pytest.mark.parametrize("form", [(False, "diag"), (True, "full"), (False, None)])
 def test_cuda_source_on_host(host_kernels, monkeypatch, case, dtype, forced, form):
     from convcov.backends import cupy as mod
@@ -482,6 +487,7 @@ def test_cuda_source_on_host(host_kernels, monkeypatch, case, dtype, forced, for
     else:
         monkeypatch.setattr(mod, "_DIRECT_TERMS", -1)
         monkeypatch.setattr(mod, "_DIRECT_RATIO", 0)
+    monkeypatch.setattr(mod, "_SBOX_WALK", forced != "three-box")
     rng = np.random.default_rng(case)
     out, g, mu, c, k, conv = _problem(rng, "numpy", [dtype] * 4, ["contiguous"] * 3, B=B,
                                       Ci=Ci, Co=Co, G=G, H=H, W=W, k=k, stride=stride,
@@ -519,6 +525,7 @@ def test_cuda_source_on_host_random(host_kernels, monkeypatch, seed):
     if i(0, 1):
         monkeypatch.setattr(mod, "_DIRECT_TERMS", -1)
         monkeypatch.setattr(mod, "_DIRECT_RATIO", 0)
+    monkeypatch.setattr(mod, "_SBOX_WALK", bool(i(0, 1)))
     sms = [(4, 256), (1, 256), (132, 2048)][i(0, 2)]
     run = lambda: _run_on_host(host_kernels, _frontend.normalise(  # noqa: E731
         out, g, mu, c, k, conv["stride"], conv["padding"], conv["dilation"], conv["groups"]),

@@ -62,15 +62,17 @@ def test_import_of_convcov_does_not_import_numba_cuda():
 
 
 # ------------------------------------------------------------------ helpers
-@pytest.fixture(params=["direct", "three"])
+@pytest.fixture(params=["direct", "three", "three-box"])
 def path(request, monkeypatch):
     """Force one kernel path: S straight from gamma and mu (one launch), or through the
-    channel sum T and S in global memory (three launches)."""
+    channel sum T and S in global memory (three launches: S by walks along its diagonals
+    where they serve, or, "three-box", one thread an element of S everywhere)."""
     from convcov.backends import numba_cuda as mod
 
     direct = request.param == "direct"
     monkeypatch.setattr(mod, "DIRECT_TERMS", 1 << 62 if direct else -1)
     monkeypatch.setattr(mod, "DIRECT_RATIO", 1 << 62 if direct else -1)
+    monkeypatch.setattr(mod, "SBOX_WALK", request.param != "three-box")
     return request.param
 
 
@@ -140,6 +142,9 @@ CONVS = {  # name: (B, Ci, Co, H, W, k, G, stride, padding, dilation)
     "strided-dilated-groups": (2, 4, 2, 5, 6, (2, 3), 2, (2, 1), (1, 0), (1, 2)),
     "eight-channels": (1, 9, 9, 3, 3, (2, 1), 1, (1, 1), (0, 0), (1, 1)),  # unrolled loops
     "seventeen-out-channels": (1, 2, 17, 3, 3, (2, 2), 1, (1, 1), (0, 0), (1, 1)),
+    # the largest kernel height whose row sums the diagonal walk keeps, and one taller
+    "seven-rows": (1, 2, 2, 9, 4, (7, 2), 1, (1, 1), (2, 1), (1, 1)),
+    "eight-rows": (1, 2, 2, 9, 3, (8, 1), 1, (1, 1), (1, 0), (1, 1)),
 }
 
 
@@ -169,7 +174,9 @@ def test_dtypes(path, dtypes):
         pytest.skip("torch with CUDA is not installed")
     if not HAS_TORCH:
         kind = "numpy"
-    out, g, mu, c, k, cv = _problem(np.random.default_rng(2), 1, 2, 2, 4, 4, (2, 2))
+    # Two groups of three output channels: 16-bit out's stream pairs a group's channels,
+    # and the odd one out must not spill into the next group.
+    out, g, mu, c, k, cv = _problem(np.random.default_rng(2), 1, 2, 6, 4, 4, (2, 2), G=2)
     _check(out, g, mu, c, k, cv, kind, dtypes)
 
 

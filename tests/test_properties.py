@@ -127,16 +127,18 @@ def test_backend_matches_reference(name, data):
 
 
 @pytest.mark.skipif(not SIM, reason="the CUDA simulator is only used when there is no GPU")
-@pytest.mark.parametrize("path", ["direct", "three"])
+@pytest.mark.parametrize("path", ["direct", "three", "three-box"])
 @settings(max_examples=40)
 @given(data=st.data())
 def test_numba_cuda_simulator_matches_reference(path, data):
-    """Both kernel paths: S straight from gamma (one launch; small problems take it on
-    their own) and through T and S (three launches; forced here)."""
+    """Every kernel path: S straight from gamma (one launch; small problems take it on
+    their own) and through T and S (three launches; forced here), S by diagonal walks
+    where they serve or ("three-box") one thread an element."""
     from convcov.backends import numba_cuda as mod
 
     force = 1 << 62 if path == "direct" else -1
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(mod, "DIRECT_TERMS", force)
         mp.setattr(mod, "DIRECT_RATIO", force)
+        mp.setattr(mod, "SBOX_WALK", path != "three-box")
         run_case("numba_cuda", data, small=True)

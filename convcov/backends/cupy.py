@@ -264,6 +264,28 @@ __device__ __forceinline__ void stv(T* p, const T (&r)[V]) {
   for (int i = 0; i < NB / CB; ++i) sth<HINT>(d + i, u.c[i]);
 }
 
+// V elements of T as raw 16-byte (or smaller) chunks: loaded now, unpacked when used, so
+// that a 16-bit vector's unpacking does not make the next load wait for this one.
+template <typename T, int V> struct Raw {
+  enum { NB = V * (int)sizeof(T), CB = NB > 16 ? 16 : NB };
+  typedef typename Chunk<CB>::type C;
+  C c[NB / CB];
+};
+template <typename T, int V, int HINT>
+__device__ __forceinline__ void ldraw(const T* p, Raw<T, V>& r) {
+  const typename Raw<T, V>::C* s = reinterpret_cast<const typename Raw<T, V>::C*>(p);
+#pragma unroll
+  for (int i = 0; i < Raw<T, V>::NB / Raw<T, V>::CB; ++i) r.c[i] = ldh<HINT>(s + i);
+}
+template <typename T, int V>
+__device__ __forceinline__ void unpack(const Raw<T, V>& r, T (&t)[V]) {
+  union { typename Raw<T, V>::C c[Raw<T, V>::NB / Raw<T, V>::CB]; T t[V]; } u;
+#pragma unroll
+  for (int i = 0; i < Raw<T, V>::NB / Raw<T, V>::CB; ++i) u.c[i] = r.c[i];
+#pragma unroll
+  for (int e = 0; e < V; ++e) t[e] = u.t[e];
+}
+
 // Run-time typed access, for the small arrays (mu, c) and the generic kernel: the dtype
 // code is uniform across the grid, so the switch costs a few instructions, not divergence.
 template <typename Acc, int HINT>
@@ -492,34 +514,111 @@ __global__ void __launch_bounds__(THREADS) cc_sbox(const Args a) {
   }
 }
 
+// S again, for stride 1 and dilation 1 along the rows (the usual conv): a walk along
+// each diagonal. S[., i0, j0, i0 + d, j1] is the sum over ii of the row terms
+// R(x) = sum over ji of T[x, y0b + ji*dw, x + d, y1b + ji*dw] at x = i0 - ph + ii, and
+// the next i0 on the same diagonal reuses kh - 1 of them. One thread a (b, g, d, j0, j1),
+// j1 fastest (coalesced T reads and S writes), walking i0: kw loads an element instead of
+// kh*kw (cc_sbox's nine loads of a 3x3 kernel made it L2-bound: big's S 421 -> 150 us on
+// the H200, 2026-11-30; ncu: still latency-bound, 58% of the stalls wait for T). Row sums are summed fresh each step (no running subtraction:
+// Inf - Inf would turn a sum into NaN). The last kh - 1 row sums live in registers: KH
+// is kh when the host instantiated it (3), else 0 (kh <= WALK_KMAX, unrolled selects).
+// U steps' loads are issued before their sums.
+#define WALK_KMAX 7
+template <typename Acc, int KH, int U>
+__global__ void __launch_bounds__(THREADS) cc_sbox_walk(const Args a) {
+  enum { R = KH > 0 ? KH - 1 : WALK_KMAX - 1, RS = R > 0 ? R : 1 };  // ring size
+  const int H = (int)a.H, W = (int)a.W, Ho = (int)a.Ho, Wo = (int)a.Wo;
+  const int kh = KH > 0 ? KH : (int)a.kh, kw = (int)a.kw, sw = (int)a.sw;
+  const int ph = (int)a.ph, pw = (int)a.pw, dw = (int)a.dw, nd = 2 * Ho - 1, WoWo = Wo * Wo;
+  const i64 HW = a.H * a.W, HoWo = a.Ho * a.Wo, DI = a.W * HW + a.W, DJ = a.dw * (HW + 1);
+  const Acc* T = (const Acc*)a.t;
+  Acc* S = (Acc*)a.s;
+  for (i64 e = thread_index(); e < a.n; e += grid_stride()) {
+    i64 bgd, jj, bg, dd;
+    divmod(e, WoWo, bgd, jj);
+    divmod(bgd, nd, bg, dd);
+    const int d = (int)dd - (Ho - 1), j0 = (int)jj / Wo, j1 = (int)jj - j0 * Wo;
+    const int y0b = j0 * sw - pw, y1b = j1 * sw - pw;
+    unsigned cols = 0;  // bit ji: both columns of kernel offset ji inside the input
+    for (int ji = 0; ji < kw; ++ji) {
+      const int y0 = y0b + ji * dw, y1 = y1b + ji * dw;
+      if ((unsigned)y0 < (unsigned)W && (unsigned)y1 < (unsigned)W) cols |= 1u << ji;
+    }
+    const int i0s = d < 0 ? -d : 0, i0e = d > 0 ? Ho - d : Ho;  // i0 + d stays in [0, Ho)
+    const int xlo = d < 0 ? -d : 0, xhi = d > 0 ? H - d : H;   // rows x with x, x + d inside
+    // Row x of this diagonal starts at Tb + x * DI (x may be outside: only read inside).
+    const Acc* Tb = T + bg * HW * HW + (i64)d * a.W + (i64)y0b * HW + y1b;
+    Acc* Sd = S + bg * HoWo * HoWo + (i64)j0 * HoWo + (i64)d * Wo + j1;
+    const i64 DS = HoWo * Wo + Wo;  // S's step from i0 to i0 + 1 on the diagonal
+    Acc ring[RS];  // ring[ii] = R(i0 - ph + ii), ii < kh - 1
+#pragma unroll
+    for (int v = 0; v < RS; ++v) ring[v] = (Acc)0;
+    int x = i0s - ph;
+    for (int ii = 0; ii < kh - 1; ++ii, ++x) {  // the first kh - 1 row sums
+      Acc r = (Acc)0;
+      if (x >= xlo && x < xhi)
+        for (int ji = 0; ji < kw; ++ji)
+          if (cols >> ji & 1u) r = aadd(r, ldh<0>(Tb + x * DI + ji * DJ));
+#pragma unroll
+      for (int v = 0; v < RS - 1; ++v) ring[v] = v + 1 < kh - 1 ? ring[v + 1] : r;
+      ring[RS - 1] = r;
+    }
+    for (int i0 = i0s; i0 < i0e; i0 += U, x += U) {  // then U new ones a round
+      Acc rs[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) rs[u] = (Acc)0;
+      for (int ji = 0; ji < kw; ++ji) {
+        if (!(cols >> ji & 1u)) continue;
+        Acc tv[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const bool in = i0 + u < i0e && x + u >= xlo && x + u < xhi;
+          tv[u] = in ? ldh<0>(Tb + (x + u) * DI + ji * DJ) : (Acc)0;
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) rs[u] = aadd(rs[u], tv[u]);
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        if (i0 + u < i0e) {
+          Acc s = (Acc)0;
+#pragma unroll
+          for (int v = 0; v < R; ++v) if (KH > 0 || v < kh - 1) s = aadd(s, ring[v]);
+          Sd[(i64)(i0 + u) * DS] = aadd(s, rs[u]);
+#pragma unroll
+          for (int v = 0; v < RS - 1; ++v) ring[v] = KH > 0 || v + 1 < kh - 1 ? ring[v + 1] : rs[u];
+          ring[RS - 1] = rs[u];
+        }
+      }
+    }
+  }
+}
+
 // ---------------------------------------------------------------- kernel 3: out += c * S
 // A streaming kernel. out[b, c0] is nseg segments of seg_len elements that are
 // contiguous in out and in S[b, g]: one segment (the whole (i0, j0, i1, j1) plane, for
 // a contiguous diagonal-layout out) or one per (i0, j0). A block takes a tile of
-// THREADS * SU vectors (consecutive threads: consecutive 16-byte vectors) for a chunk of
-// `chunk` output channels of one group: each thread loads its S vectors once, then
-// streams out for every c0 of the chunk, so S is read from L2 once per chunk rather
-// than once per c0. V == 1 (any strides): one segment per (i0, j0), (i1, j1) through
-// out's strides.
-// SU: vectors of out in flight per thread, 4 (x 16 bytes). float16 out with float32 S
-// (8-wide vectors, 32-byte S vectors) needs registers for only 2 blocks a
-// multiprocessor at 4 or at 6 (128 registers, nvcc -Xptxas -v): 6 restores the bytes in
-// flight a multiprocessor that 3 blocks of 4 have. (bfloat16's conversions need more
-// registers: 6 would leave 1 block.) The host mirrors SU in _plan (_STREAM_SU_F16).
-// STREAM_SU_F16 is a compile-time knob for tuning runs (a -D option). Keep the launch
-// bounds as they are: naming a minimum of 1 block a multiprocessor let nvcc take 90
-// registers instead of 80 for float32 (2 blocks instead of 3): big-f32 6106 -> 6745 us.
-#ifndef STREAM_SU_F16
-#define STREAM_SU_F16 6
-#endif
-template <typename To, typename Acc, int V> struct StreamSU { enum { value = 4 }; };
-template <> struct StreamSU<f16, float, 8> { enum { value = STREAM_SU_F16 }; };
-template <typename To, typename Acc, int V>
+// THREADS * P vector positions (consecutive threads: consecutive vectors of up to 16
+// bytes) for CH output channels of one group; each thread loads its P vectors of S once
+// for its CH channels and has all SU = P * CH vectors of out in flight before its first
+// store. V == 1 (any strides): one segment per (i0, j0), (i1, j1) through out's strides.
+// The loads of out are kept as raw 16-byte words until used: unpacking float16 right
+// after each load made every load wait for the one before (one destination register in
+// the SASS; big-f16's update 2051 -> 1717 us on the H200, 2026-11-30).
+// CH = 2 for 16-bit out with float32 sums: each 16-byte vector of out needs 32 bytes of
+// S, and sharing them between two channels took big-f16's update from 1717 to 1676 us;
+// for float32 out it cost time (3300 -> 3365 us), so CH = 1 there (the host picks CH,
+// _stream_ch). Keep the launch bounds as they are: naming a minimum of 1 block a
+// multiprocessor let nvcc take 90 registers instead of 80 for float32 (2 blocks instead
+// of 3): big-f32 6106 -> 6745 us.
+#define STREAM_SU 4
+template <typename To, typename Acc, int V, int CH>
 __global__ void __launch_bounds__(THREADS) cc_stream(const Args a) {
-  enum { SU = StreamSU<To, Acc, V>::value };
+  enum { P = STREAM_SU / CH };
   const int Wo = (int)a.Wo;
   const i64 HoWo = a.Ho * a.Wo, L = a.seg_len, nvec = L / V, nf = a.nseg * nvec;
-  const i64 ncb = (a.Cog + a.chunk - 1) / a.chunk;
+  const i64 ncb = (a.Cog + CH - 1) / CH;
   const i64 ntiles = a.B * a.G * ncb * a.tiles;
   To* out = (To*)a.out;
   const Acc* S = (const Acc*)a.s;
@@ -528,18 +627,20 @@ __global__ void __launch_bounds__(THREADS) cc_stream(const Args a) {
     divmod(tile, a.tiles, r1, tin);  // neighbouring blocks: neighbouring memory
     divmod(r1, ncb, bg, cb);
     divmod(bg, a.G, b, g);
-    const i64 c0_first = g * a.Cog + cb * a.chunk;
-    const i64 c0_end = lmin(c0_first + a.chunk, (g + 1) * a.Cog);
+    const i64 c0_first = g * a.Cog + cb * CH;
+    const int nch = (int)lmin(CH, (g + 1) * a.Cog - c0_first);  // channels of this tile
     const Acc* Sb = S + bg * HoWo * HoWo;
-    i64 oo[SU];
-    bool ok[SU];
-    Acc sv[SU][V];
+    To* ob = out + b * a.so0 + c0_first * a.so1;
+    i64 oo[P];
+    bool ok[P];
+    Acc sv[P][V];
+    Raw<To, V> ov[P][CH];
 #pragma unroll
-    for (int k = 0; k < SU; ++k) {
-      const i64 f = tin * (THREADS * SU) + k * THREADS + threadIdx.x;
+    for (int k = 0; k < P; ++k) {
+      const i64 f = tin * (THREADS * P) + k * THREADS + threadIdx.x;
       ok[k] = f < nf;
       i64 off, s_off;
-      if (a.nseg == 1) {  // one flat axpy: no index arithmetic (it cost the H200 ~8%)
+      if (a.nseg == 1) {  // one flat axpy: no index arithmetic
         off = f * V;
         s_off = f * V;
       } else {
@@ -556,21 +657,28 @@ __global__ void __launch_bounds__(THREADS) cc_stream(const Args a) {
         s_off = r * L + v * V;
       }
       oo[k] = off;
-      if (ok[k]) ldv<Acc, V, 0>(Sb + s_off, sv[k]);
+      if (ok[k]) {
+        ldv<Acc, V, 0>(Sb + s_off, sv[k]);
+#pragma unroll
+        for (int ch = 0; ch < CH; ++ch)
+          if (ch == 0 || ch < nch) ldraw<To, V, 1>(ob + ch * a.so1 + off, ov[k][ch]);
+      }
     }
-    const To* ob = out + b * a.so0 + c0_first * a.so1;
-    for (i64 c0 = c0_first; c0 < c0_end; ++c0, ob += a.so1) {
-      To ov[SU][V];
+    Acc cc[CH];
 #pragma unroll
-      for (int k = 0; k < SU; ++k)
-        if (ok[k]) ldv<To, V, 1>(ob + oo[k], ov[k]);
-      const Acc cc = c_of<Acc>(a, c0);
+    for (int ch = 0; ch < CH; ++ch) cc[ch] = ch == 0 || ch < nch ? c_of<Acc>(a, c0_first + ch) : (Acc)0;
 #pragma unroll
-      for (int k = 0; k < SU; ++k) {
-        if (ok[k]) {
+    for (int k = 0; k < P; ++k) {
+      if (ok[k]) {
 #pragma unroll
-          for (int e = 0; e < V; ++e) Cv<Acc>::to(ov[k][e], afma(cc, sv[k][e], Cv<Acc>::from(ov[k][e])));
-          stv<To, V, 1>((To*)ob + oo[k], ov[k]);
+        for (int ch = 0; ch < CH; ++ch) {
+          if (ch == 0 || ch < nch) {
+            To o[V];
+            unpack<To, V>(ov[k][ch], o);
+#pragma unroll
+            for (int e = 0; e < V; ++e) Cv<Acc>::to(o[e], afma(cc[ch], sv[k][e], Cv<Acc>::from(o[e])));
+            stv<To, V, 1>(ob + ch * a.so1 + oo[k], o);
+          }
         }
       }
     }
@@ -803,11 +911,23 @@ _DIRECT_TERMS = 1 << 22  # below this many S terms, one launch beats two (launch
 _DIRECT_RATIO = 2
 _OPTIONS = ("-std=c++14",)
 _MU_CPT = 16  # channels a thread of cc_vjp_mu sums (MU_CPT in SOURCE)
-_STREAM_SU_F16 = 6  # cc_stream's vectors in flight for float16 out (STREAM_SU_F16 in SOURCE)
-_STREAM_CHUNK = 1  # output channels a cc_stream tile streams (see _plan)
+_STREAM_SU = 4  # cc_stream's vectors of out in flight a thread (STREAM_SU in SOURCE)
+#: S by walks along its diagonals (cc_sbox_walk) where the rows have stride 1 and
+#: dilation 1 and kh <= WALK_KMAX; else one thread an element (cc_sbox).
+_SBOX_WALK = True
+_WALK_KMAX = 7  # WALK_KMAX in SOURCE
+#: Steps a walk issues the loads of at once (U in SOURCE): 4 -> 8 took big's S from 165
+#: to 150 us on the H200 (2026-11-30, KH = 3).
+_WALK_U = 8
 #: Channels of grad_gamma one cc_vjp_gamma thread stores (None: all of the group's, split
 #: only when that under-fills the device). Not yet measured on the H200: a knob to try.
 _VJP_CHUNK = None
+
+
+def _stream_ch(out_cxx, acc_cxx):
+    """Output channels a cc_stream thread updates from each S vector it loads (CH in
+    SOURCE): 2 where 16-bit out meets float32 S (S is the larger stream), else 1."""
+    return 2 if out_cxx in ("f16", "bf16") and acc_cxx == "float" else 1
 
 
 def _widths(itemsize):
@@ -828,8 +948,9 @@ def _family_names(family):
     size = {"f16": 2, "bf16": 2, "float": 4, "double": 8}[cxx]
     return ([f"cc_gsum<{cxx}, {cxx}, {acc}, {v}>" for v in _widths(size)]
             + [f"cc_gsum<{cxx}, anyt, {acc}, 1>"]
-            + [f"cc_stream<{cxx}, {acc}, {v}>" for v in _widths(size)]
-            + [f"cc_sbox<{acc}>", f"cc_direct<{cxx}, {acc}>"])
+            + [f"cc_stream<{cxx}, {acc}, {v}, {_stream_ch(cxx, acc)}>" for v in _widths(size)]
+            + [f"cc_sbox<{acc}>", f"cc_direct<{cxx}, {acc}>"]
+            + [f"cc_sbox_walk<{acc}, {kh}, {_WALK_U}>" for kh in (0, 3)])
 
 
 class _Launch:
@@ -1031,24 +1152,23 @@ class CupyBackend(Backend):
         # out is one segment a (b, c0): a plain axpy with S[b, g], vectorised when its
         # length and alignment allow; otherwise one segment per (i0, j0).
         n_s = B * G * HoWo * HoWo
-        launches.append(launch(f"cc_sbox<{acc_cxx}>", family, n_s))
+        if _SBOX_WALK and p.sh == 1 and p.dh == 1 and p.kh <= _WALK_KMAX:
+            kh = 3 if p.kh == 3 else 0  # the instantiated heights (KH in SOURCE)
+            launches.append(launch(f"cc_sbox_walk<{acc_cxx}, {kh}, {_WALK_U}>", family,
+                                   B * G * (2 * Ho - 1) * Wo * Wo))
+        else:
+            launches.append(launch(f"cc_sbox<{acc_cxx}>", family, n_s))
         if contiguous(so[2:], (Ho, Wo, Ho, Wo)):
             nseg, seg_len = 1, HoWo * HoWo
             v3 = vector_width(o_size, seg_len, so[2:], (Ho, Wo, Ho, Wo), so[:2], oi.ptr)
         else:
             nseg, seg_len = HoWo, HoWo
             v3 = vector_width(o_size, HoWo, (so[4], so[5]), (Ho, Wo), so[:4], oi.ptr)
-        su = _STREAM_SU_F16 if (o_cxx, acc_cxx, v3) == ("f16", "float", 8) else 4  # StreamSU
-        tiles = -(-nseg * (seg_len // v3) // (_THREADS * su))
-        # Output channels a tile streams. Reading S once for several channels saves S's
-        # re-reads (from L2) but leaves fewer, longer tiles: on the H200 (2026-11-30,
-        # convcov bench) one channel per tile took big-f32 from 7066 to 6171 µs and
-        # big-f16 from 3907 to 3821 µs, mid unchanged. The kernel keeps the parameter.
-        chunk = _STREAM_CHUNK
-        ntiles = B * G * -(-Cog // chunk) * tiles
-        launches.append(launch(f"cc_stream<{o_cxx}, {acc_cxx}, {v3}>", family, 0,
-                               grid=ntiles, nseg=nseg, seg_len=seg_len, tiles=tiles,
-                               chunk=chunk))
+        ch = _stream_ch(o_cxx, acc_cxx)
+        tiles = -(-nseg * (seg_len // v3) // (_THREADS * (_STREAM_SU // ch)))
+        launches.append(launch(f"cc_stream<{o_cxx}, {acc_cxx}, {v3}, {ch}>", family, 0,
+                               grid=B * G * -(-Cog // ch) * tiles, nseg=nseg,
+                               seg_len=seg_len, tiles=tiles))
         return _Plan(launches, n_s, B * G * HW * HW, acc)
 
     def _vjp_plan(self, a, dev):

@@ -96,13 +96,20 @@ MAX_GRID = 2**31 - 1
 DIRECT_TERMS = 1 << 22
 #: ... and so do problems where kh*kw*(Ho*Wo)**2 <= DIRECT_RATIO * (H*W)**2 (large strides).
 DIRECT_RATIO = 2
-#: Vectors of out a stream thread has in flight: 4 x 16 bytes; 2 for 16-bit out, whose
-#: 16-byte vectors need 32 bytes of S and 16 registers of sums each (4 vectors: 114
-#: registers, 2 blocks a multiprocessor; 2: 72 registers, 3 blocks; big-f16 4548 us
-#: against 4754-4889 us on the H200, 2026-11-30; float32 at 2 was slower: 6268 against
-#: 5963-5990 us).
-STREAM_SU = 4
-STREAM_SU_16 = 2
+#: A stream thread's share of the update: P positions (vectors of up to 16 bytes) for CH
+#: output channels, which share each vector of S. Float32 out: 4 positions, 1 channel
+#: (80 registers, 3 blocks a multiprocessor). 16-bit out with float32 sums reads 32 bytes
+#: of S a 16-byte vector of out, so 2 channels share them: 1 position (60-64 registers,
+#: 4 blocks).
+STREAM_P, STREAM_CH = 4, 1
+STREAM_P_16, STREAM_CH_16 = 1, 2
+#: S by walks along its diagonals (sbox_walk) where the rows have stride 1 and dilation
+#: 1 and kh <= WALK_KMAX (row sums kept in registers); else one thread an element (sbox).
+SBOX_WALK = True
+WALK_KMAX = 7
+#: Steps of a walk whose loads are issued together (cupy's cc_sbox_walk: 4 -> 8 took
+#: big's S from 165 to 150 us on the H200, 2026-11-30).
+WALK_U = 8
 #: Cache qualifier of the loads and stores of data touched once (gamma, out): "cs",
 #: evict-first (or "": none) ...
 STREAMING = "cs"
@@ -111,9 +118,11 @@ STREAMING = "cs"
 READONLY = "nc"
 
 
-def _stream_su(itemsize):
-    """Vectors of out a stream thread has in flight, for out elements of ``itemsize``."""
-    return STREAM_SU_16 if itemsize == 2 else STREAM_SU
+def _stream_shape(itemsize, acc):
+    """(P, CH) of the stream kernel for out elements of ``itemsize`` and sums of ``acc``."""
+    if itemsize == 2:
+        return (STREAM_P_16, STREAM_CH_16) if acc == "float32" else (2, 1)
+    return STREAM_P, STREAM_CH
 
 
 # ---------------------------------------------------------------------------------------
@@ -378,7 +387,7 @@ if _IMPORT_ERROR is None:
         + mu[b, ci, x0, y0] * mu[b, ci, q], V consecutive q a thread (V > 1: q contiguous
         in gamma and mu, rows aligned). Four channels a step: their 4 x V gamma values
         are in flight before the first is added. Reads gamma's channel-diagonal once."""
-        ldg, ldm = _LDV[V, STREAMING], _LDV[V, READONLY]
+        ldg, ldm, stt = _LDV[V, STREAMING], _LDV[V, READONLY], _STV[V, ""]
 
         def gsum(tptr, gptr, gbase, gst, has_g, mptr, mbase, mst, geo, n, zero):
             G, Cg, W = geo[1], geo[2], geo[5]
@@ -411,6 +420,16 @@ if _IMPORT_ERROR is None:
                     acc[e] = zero
                 ci = 0
                 while ci + 4 <= Cg:
+                    # Every load of the four channels before the first sum (summing
+                    # gamma first made the loads of mu wait for gamma's, from DRAM).
+                    r0 = mptr[omr]
+                    r1 = mptr[omr + msc]
+                    r2 = mptr[omr + 2 * msc]
+                    r3 = mptr[omr + 3 * msc]
+                    m0 = ldm(mptr, omc)
+                    m1 = ldm(mptr, omc + msc)
+                    m2 = ldm(mptr, omc + 2 * msc)
+                    m3 = ldm(mptr, omc + 3 * msc)
                     if has_g:
                         g0 = ldg(gptr, og)
                         g1 = ldg(gptr, og + gsc)
@@ -419,11 +438,11 @@ if _IMPORT_ERROR is None:
                         for e in range(V):
                             acc[e] += ((_to_acc(g0[e], zero) + _to_acc(g1[e], zero))
                                        + (_to_acc(g2[e], zero) + _to_acc(g3[e], zero)))
-                    for u in range(4):
-                        mr = _to_acc(mptr[omr + u * msc], zero)
-                        mc = ldm(mptr, omc + u * msc)
-                        for e in range(V):
-                            acc[e] += mr * _to_acc(mc[e], zero)
+                    for e in range(V):
+                        acc[e] += _to_acc(r0, zero) * _to_acc(m0[e], zero)
+                        acc[e] += _to_acc(r1, zero) * _to_acc(m1[e], zero)
+                        acc[e] += _to_acc(r2, zero) * _to_acc(m2[e], zero)
+                        acc[e] += _to_acc(r3, zero) * _to_acc(m3[e], zero)
                     og += 4 * gsc
                     omr += 4 * msc
                     omc += 4 * msc
@@ -441,9 +460,7 @@ if _IMPORT_ERROR is None:
                     omr += msc
                     omc += msc
                     ci += 1
-                t = row * HW + q
-                for e in range(V):
-                    tptr[t + e] = acc[e]
+                stt(tptr, row * HW + q, acc, 0)
                 idx += cuda.gridsize(1)
 
         return gsum
@@ -530,16 +547,120 @@ if _IMPORT_ERROR is None:
 
         return sbox
 
+    @cuda.jit(device=True)
+    def _push(r, new, kh):
+        """The ring of sbox_walk's last kh - 1 row sums (kh <= 7), oldest first, after
+        the row sum ``new`` joined it."""
+        return (r[1] if kh > 2 else new, r[2] if kh > 3 else new, r[3] if kh > 4 else new,
+                r[4] if kh > 5 else new, r[5] if kh > 6 else new, new)
+
+    @cuda.jit(device=True)
+    def _ring_sum(r, kh, zero):
+        """The sum of the ring's kh - 1 row sums, oldest first (constant indices: a
+        tuple indexed by a variable would live in local memory)."""
+        s = r[0] if kh > 1 else zero
+        s = s + r[1] if kh > 2 else s
+        s = s + r[2] if kh > 3 else s
+        s = s + r[3] if kh > 4 else s
+        s = s + r[4] if kh > 5 else s
+        return s + r[5] if kh > 6 else s
+
+    def _make_sbox_walk(V, ACC, OT):
+        """S for stride 1 and dilation 1 along the rows (the usual conv): a walk along each
+        diagonal. S[., i0, j0, i0 + d, j1] is the sum over ii of the row terms
+        R(x) = sum over ji of T[x, y0b + ji*dw, x + d, y1b + ji*dw] at x = i0 - ph + ii;
+        the next i0 of the diagonal reuses kh - 1 of them. One thread a (b, g, d, j0, j1),
+        j1 fastest (coalesced reads of T and writes of S), walking i0: kw loads an
+        element instead of sbox's kh*kw, which made sbox L2-bound. Row sums are summed
+        fresh each step (no running subtraction: Inf - Inf would turn a sum into NaN);
+        the last kh - 1 live in registers (kh <= WALK_KMAX); WALK_U steps' loads are
+        issued before their sums. V is the kernel height when it is a compile-time
+        constant of the kernel (3: the usual), else 0 (any kh read from geo)."""
+        ld = _LDV[1, READONLY]
+        U, KH = WALK_U, V
+
+        def sbox_walk(sptr, tptr, geo, n, zero):
+            H, W, Ho, Wo, kw = geo[4], geo[5], geo[6], geo[7], geo[9]
+            kh = KH if KH else geo[8]
+            sw, ph, pw, dw = geo[11], geo[12], geo[13], geo[15]
+            HW = H * W
+            HoWo = Ho * Wo
+            DI = W * HW + W
+            DJ = dw * (HW + 1)
+            DS = HoWo * Wo + Wo  # S's step from i0 to i0 + 1 along a diagonal
+            nd = 2 * Ho - 1
+            WoWo = Wo * Wo
+            Wo32 = numba.uint32(Wo)
+            e = cuda.grid(1)
+            while e < n:
+                bgd = e // WoWo
+                bg = bgd // nd
+                d = bgd - bg * nd - (Ho - 1)
+                # (j0, j1) fit 32 bits: unsigned 32-bit division is the cheap one.
+                jj = numba.uint32(e - bgd * WoWo)
+                j0 = jj // Wo32
+                j1 = jj - j0 * Wo32
+                y0b = numba.int64(j0) * sw - pw
+                y1b = numba.int64(j1) * sw - pw
+                cols = 0  # bit ji: both columns of kernel offset ji inside the input
+                for ji in range(kw):
+                    y0 = y0b + ji * dw
+                    y1 = y1b + ji * dw
+                    if (y0 >= 0) & (y0 < W) & (y1 >= 0) & (y1 < W):
+                        cols |= 1 << ji
+                i0 = -d if d < 0 else 0
+                i0e = Ho - d if d > 0 else Ho  # i0 + d stays in [0, Ho)
+                xlo = -d if d < 0 else 0
+                xhi = H - d if d > 0 else H  # rows x with x and x + d inside
+                # Row x of this diagonal starts at tb + x * DI (only read when inside).
+                tb = bg * HW * HW + d * W + y0b * HW + y1b
+                sd = bg * HoWo * HoWo + numba.int64(j0) * HoWo + d * Wo + j1
+                # The last kh - 1 row sums, oldest first: r[0] = R(i0 - ph), ...; six
+                # scalars, not a local array, which Numba's loops left in local memory.
+                r = (zero, zero, zero, zero, zero, zero)
+                x = i0 - ph
+                for _ in range(kh - 1):
+                    rx = zero
+                    if (x >= xlo) & (x < xhi):
+                        for ji in range(kw):
+                            if (cols >> ji) & 1:
+                                rx += ld(tptr, tb + x * DI + ji * DJ)[0]
+                    r = _push(r, rx, kh)
+                    x += 1
+                while i0 < i0e:
+                    rs = cuda.local.array(U, ACC)
+                    for u in range(U):
+                        rs[u] = zero
+                    for ji in range(kw):
+                        if (cols >> ji) & 1:
+                            tv = cuda.local.array(U, ACC)
+                            for u in range(U):
+                                xu = x + u
+                                ok = (i0 + u < i0e) & (xu >= xlo) & (xu < xhi)
+                                tv[u] = ld(tptr, tb + xu * DI + ji * DJ)[0] if ok else zero
+                            for u in range(U):
+                                rs[u] += tv[u]
+                    for u in range(U):
+                        if i0 + u < i0e:
+                            sptr[sd + (i0 + u) * DS] = _ring_sum(r, kh, zero) + rs[u]
+                            r = _push(r, rs[u], kh)
+                    i0 += U
+                    x += U
+                e += cuda.gridsize(1)
+
+        return sbox_walk
+
     def _make_stream(V, ACC, OT):
         """out[b, c0, i0, j0, (c0,) i1, j1] += c[c0] * S[b, g(c0)] in address order.
         out[b, c0] is ``nseg`` segments of ``seg_len`` elements contiguous in S[b, g]: one
         (the whole plane: a flat axpy, for a contiguous diagonal-layout out) or one per
-        (i0, j0). A block takes a tile of blockDim x STREAM_SU vectors of one (b, c0);
-        each thread loads all its vectors of out and S before it stores any. V > 1 only
-        when the segments are contiguous and aligned in out (checked on the host)."""
+        (i0, j0). A block takes a tile of blockDim x P vector positions for CH output
+        channels of one group (_stream_shape); each thread loads its P vectors of S once
+        for its CH channels, and all its vectors of out before it stores any. V > 1
+        only when the segments are contiguous and aligned in out (checked on the host)."""
         ldo, lds, st = _LDV[V, STREAMING], _LDV[V, READONLY], _STV[V, STREAMING]
-        SU = _stream_su(OT.bitwidth // 8)
-        SUV = SU * V  # a constant: the size of a local array must be one
+        P, CH = _stream_shape(OT.bitwidth // 8, str(ACC))
+        PV, PCV = P * V, P * CH * V  # constants: the size of a local array must be one
 
         def stream(optr, obase, ost, cptr, cbase, cst, has_c, cval, sptr, geo, nseg, seg_len,
                    tiles, zero):
@@ -548,22 +669,24 @@ if _IMPORT_ERROR is None:
             nf = nseg * nvec
             nt = cuda.blockDim.x
             tid = cuda.threadIdx.x
-            ntiles = geo[0] * G * Cog * tiles
+            ncb = (Cog + CH - 1) // CH
+            ntiles = geo[0] * G * ncb * tiles
             tile = cuda.blockIdx.x
             while tile < ntiles:  # block-uniform
                 r1 = tile // tiles  # neighbouring blocks: neighbouring memory
                 tin = tile - r1 * tiles
-                bg = r1 // Cog
+                bg = r1 // ncb
                 b = bg // G
-                c0 = (bg - b * G) * Cog + (r1 - bg * Cog)
-                cc = _to_acc(cptr[cbase + c0 * cst], zero) if has_c else cval
+                cb = r1 - bg * ncb
+                c0 = (bg - b * G) * Cog + cb * CH
+                nch = min(CH, Cog - cb * CH)  # channels of this tile
                 ob = obase + b * ost[0] + c0 * ost[1]
                 sb = bg * nseg * seg_len
-                oo = cuda.local.array(SU, nbt.int64)
-                ov = cuda.local.array(SUV, ACC)
-                sv = cuda.local.array(SUV, ACC)
-                for k in range(SU):
-                    f = (tin * SU + k) * nt + tid
+                oo = cuda.local.array(P, nbt.int64)
+                ov = cuda.local.array(PCV, OT)  # as loaded: converted where used
+                sv = cuda.local.array(PV, ACC)
+                for k in range(P):
+                    f = (tin * P + k) * nt + tid
                     if f < nf:
                         if nseg == 1:  # one flat axpy: no index arithmetic
                             off = ob + f * V
@@ -580,18 +703,29 @@ if _IMPORT_ERROR is None:
                                 off += i1 * ost[4] + (v - i1 * Wo) * ost[5]
                             si = sb + r * seg_len + v * V
                         oo[k] = off
-                        x = ldo(optr, off)
                         y = lds(sptr, si)
                         for e in range(V):
-                            ov[k * V + e] = _to_acc(x[e], zero)
                             sv[k * V + e] = y[e]
-                res = cuda.local.array(SUV, OT)
-                for k in range(SU):
-                    for e in range(V):
-                        res[k * V + e] = _to_elem(optr, ov[k * V + e] + cc * sv[k * V + e])
-                for k in range(SU):
-                    if (tin * SU + k) * nt + tid < nf:
-                        st(optr, oo[k], res, k * V)
+                        for ch in range(CH):
+                            # past the group's last channel: channel c0 again (never stored)
+                            x = ldo(optr, off + min(ch, nch - 1) * ost[1])
+                            for e in range(V):
+                                ov[(k * CH + ch) * V + e] = x[e]
+                cc = cuda.local.array(CH, ACC)
+                for ch in range(CH):
+                    cc[ch] = (_to_acc(cptr[cbase + (c0 + min(ch, nch - 1)) * cst], zero)
+                              if has_c else cval)
+                res = cuda.local.array(PCV, OT)
+                for k in range(P):
+                    for ch in range(CH):
+                        for e in range(V):
+                            i = (k * CH + ch) * V + e
+                            res[i] = _to_elem(optr, _to_acc(ov[i], zero) + cc[ch] * sv[k * V + e])
+                for k in range(P):
+                    if (tin * P + k) * nt + tid < nf:
+                        for ch in range(CH):
+                            if ch < nch:
+                                st(optr, oo[k] + ch * ost[1], res, (k * CH + ch) * V)
                 tile += cuda.gridDim.x
 
         return stream
@@ -847,7 +981,7 @@ def _signature(name, elems, acc):
     acc_ptr = nbt.CPointer(A)
     if name == "gsum":  # T, gamma, mu
         args = (acc_ptr, ptr[0], i64, t6, i64, ptr[1], i64, t4, geo, i64, A)
-    elif name == "sbox":  # S, T
+    elif name in ("sbox", "sbox_walk"):  # S, T
         args = (acc_ptr, acc_ptr, geo, i64, A)
     elif name == "stream":  # out, c, S
         args = (ptr[0], i64, t6, ptr[1], i64, i64, i64, A, acc_ptr, geo, i64, i64, i64, A)
@@ -864,8 +998,8 @@ def _signature(name, elems, acc):
 #: The forward kernels' factories, all called as factory(V, ACC, OT): vector width, the
 #: accumulation type and the element type of the first pointer (those that need none of
 #: them ignore it; each is a compile-time constant of the kernel it returns).
-_FACTORIES = {"gsum": "_make_gsum", "sbox": "_make_sbox", "stream": "_make_stream",
-              "direct": "_make_direct"}
+_FACTORIES = {"gsum": "_make_gsum", "sbox": "_make_sbox", "sbox_walk": "_make_sbox_walk",
+              "stream": "_make_stream", "direct": "_make_direct"}
 
 
 def _kernel(name, elems, acc, V=1):
@@ -1192,8 +1326,14 @@ class NumbaCudaBackend(Backend):
             n = n_t // V
             _launch("gsum", (gamma_t, mu_t), acc, V, dev_id, -(-n // THREADS), lim, stream,
                     (tptr, gptr, gbase, gst, has_g, mptr, mbase, mst, geo, n, zero))
-        _launch("sbox", (), acc, 1, dev_id, -(-n_s // THREADS), lim, stream,
-                (sptr, tptr, geo, n_s, zero))
+        if SBOX_WALK and p.sh == 1 and p.dh == 1 and p.kh <= WALK_KMAX:
+            n = p.B * p.G * (2 * p.Ho - 1) * p.Wo * p.Wo
+            kh = 3 if p.kh == 3 else 0  # compiled for the usual height, else for any
+            _launch("sbox_walk", (), acc, kh, dev_id, -(-n // THREADS), lim, stream,
+                    (sptr, tptr, geo, n, zero))
+        else:
+            _launch("sbox", (), acc, 1, dev_id, -(-n_s // THREADS), lim, stream,
+                    (sptr, tptr, geo, n_s, zero))
         # out[b, c0] as segments contiguous in S[b, g]: the whole (i0, j0, i1, j1) plane
         # when it is contiguous in out (a flat axpy), else one segment per (i0, j0).
         osize = ITEMSIZE[p.out_info.dtype]
@@ -1204,8 +1344,10 @@ class NumbaCudaBackend(Backend):
         else:
             nseg, seg_len = HoWo, HoWo
             V = vector_width(osize, HoWo, ost[4:], (p.Ho, p.Wo), ost[:4], p.out_info.ptr)
-        tiles = -(-nseg * (seg_len // V) // (THREADS * _stream_su(osize)))
-        _launch("stream", (out_t, c_t), acc, V, dev_id, p.B * p.G * Cog * tiles, lim, stream,
+        pos, ch = _stream_shape(osize, acc)
+        tiles = -(-nseg * (seg_len // V) // (THREADS * pos))
+        _launch("stream", (out_t, c_t), acc, V, dev_id, p.B * p.G * -(-Cog // ch) * tiles,
+                lim, stream,
                 (optr, obase, ost, cptr, cbase, cst, has_c, cval, sptr, geo, nseg, seg_len,
                  tiles, zero))
         del buf  # freed to the library's stream-ordered pool after the launches
