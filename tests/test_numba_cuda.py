@@ -181,6 +181,24 @@ def test_dtypes(path, dtypes):
 
 
 @available
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_sixteen_bit_vectors(path, dtype):
+    """16-bit out in 16-byte vectors (contiguous diagonal layout, 4x4 planes): the stream
+    keeps them as 32-bit words until the arithmetic and pairs a group's output channels;
+    a group of three leaves one alone."""
+    kind = "torch_cuda" if ON_GPU else "torch"
+    if not HAS_TORCH:
+        if dtype == "bfloat16":
+            pytest.skip("bfloat16 arrays come from torch, which is not installed")
+        kind = "numpy"
+    if ON_GPU and not torch_cuda():
+        pytest.skip("torch with CUDA is not installed")
+    out, g, mu, c, k, cv = _problem(np.random.default_rng(5), 2, 2, 6, 5, 5, (2, 2),
+                                    full_out=False, gamma="diag", G=2)
+    _check(out, g, mu, c, k, cv, kind, (dtype,) * 4)
+
+
+@available
 @pytest.mark.parametrize("layouts", [("permuted", "strided", "permuted"),
                                      ("strided", "permuted", "strided")])
 def test_views(path, layouts):

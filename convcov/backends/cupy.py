@@ -14,11 +14,14 @@ memory-bound, so the kernels are built around the bytes SPEC section 5 counts:
   load where the layout allows, and writes the per-group channel sum of
   ``gamma + mu (x) mu``: ``T[b, g, x0, y0, x1, y1]`` (the Gram matrix of ``mu`` rides
   along in the same pass).
-* ``cc_sbox`` forms ``S[b, g, i0, j0, i1, j1]``, the kh x kw box filter of ``T`` along the
-  diagonal offsets (T is Ci/G times smaller than gamma: its reads mostly hit L2).
+* ``cc_sbox_walk`` forms ``S[b, g, i0, j0, i1, j1]``, the kh x kw box filter of ``T``
+  along the diagonal offsets, by walks along the diagonals that keep the last kh - 1 row
+  sums in registers (kw loads an element); ``cc_sbox`` (kh*kw loads an element) takes
+  the cases the walk does not (strides or dilations along the rows, kh > 7).
 * ``cc_stream`` streams ``out[b, c0, i0, j0, (c0,) i1, j1] += c[c0] * S[b, g(c0)]`` in
-  address order, 16 bytes a load, re-reading ``S[b, g]`` from L2 for every ``c0``; a
-  contiguous diagonal-layout ``out`` is one flat axpy per ``(b, c0)``.
+  address order, 16 bytes a load, re-reading ``S[b, g]`` from L2 (once for two channels
+  where ``out`` is 16-bit); a contiguous diagonal-layout ``out`` is one flat axpy per
+  ``(b, c0)``.
 * ``cc_direct`` does it all in one launch, the channel sum inside the box filter: for
   problems so small that launches cost more than the arithmetic (the seed's toy), and for
   large strides, where ``T`` would cover many positions that no output reads.

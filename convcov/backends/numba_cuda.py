@@ -15,11 +15,14 @@ problems take three launches through one scratch buffer (S, then T: the size of 
 the gamma channel sum, the bound SPEC allows), the design of the ``cupy`` backend:
 
 * ``gsum`` reads the channel-diagonal of ``gamma`` exactly once, with 16-byte
-  evict-first loads, four channels a step, and writes ``T`` (the Gram matrix of ``mu``
-  rides along).
-* ``sbox`` forms each element of ``S`` once from kh*kw reads of ``T`` (L2 hits).
+  evict-first loads, four channels a step (gamma's and mu's loads in flight together),
+  and writes ``T`` (the Gram matrix of ``mu`` rides along).
+* ``sbox_walk`` forms ``S`` by walks along its diagonals, the last kh - 1 row sums of
+  ``T`` in registers: kw reads of ``T`` an element (stride and dilation 1 along the rows,
+  kh <= 7); ``sbox`` forms each element from kh*kw reads (every other case).
 * ``stream`` adds ``c[c0] * S[b, g(c0)]`` into ``out`` in address order, 16-byte
-  vectors, evict-first: a flat axpy per (b, c0) for a contiguous diagonal layout.
+  vectors, evict-first: a flat axpy per (b, c0) for a contiguous diagonal layout; for
+  16-bit ``out`` two output channels share each vector of ``S`` a thread loads.
 
 Small problems (the seed's toy) and large strides take one launch, ``direct``: S straight
 from gamma and mu, then ``out`` for a chunk of the group's output channels. Each kernel
@@ -99,10 +102,12 @@ DIRECT_RATIO = 2
 #: A stream thread's share of the update: P positions (vectors of up to 16 bytes) for CH
 #: output channels, which share each vector of S. Float32 out: 4 positions, 1 channel
 #: (80 registers, 3 blocks a multiprocessor). 16-bit out with float32 sums reads 32 bytes
-#: of S a 16-byte vector of out, so 2 channels share them: 1 position (60-64 registers,
-#: 4 blocks).
+#: of S a 16-byte vector of out, so 2 channels share them: 2 positions, out kept in
+#: 32-bit words (78 registers, 3 blocks). On the H200 (2026-11-30, big-f16's update):
+#: 1717-1720 us, against 1989 at 1 position (54 registers, 4 blocks) and 2414 at 2
+#: positions with out unpacked into halves (91 registers, 2 blocks).
 STREAM_P, STREAM_CH = 4, 1
-STREAM_P_16, STREAM_CH_16 = 1, 2
+STREAM_P_16, STREAM_CH_16 = 2, 2
 #: S by walks along its diagonals (sbox_walk) where the rows have stride 1 and dilation
 #: 1 and kh <= WALK_KMAX (row sums kept in registers); else one thread an element (sbox).
 SBOX_WALK = True
@@ -262,15 +267,23 @@ if _IMPORT_ERROR is None:
             regs = ", ".join(f"${first + k}" for k in range(count))
             return regs if count == 1 else "{" + regs + "}"
 
-    def _make_ldv(n, hint):
+    def _make_ldv(n, hint, raw=False):
         if SIM:
+            if raw:
+                def ldv(ptr, i):
+                    return tuple(np.ascontiguousarray(ptr[i:i + n]).view(np.uint32))
+                return ldv
+
             def ldv(ptr, i):
                 return tuple(ptr[i + k] for k in range(n))
             return ldv
 
         @intrinsic
         def ldv(typingctx, ptr, i):
-            sig = nbt.UniTuple(ptr.dtype, n)(ptr, i)
+            if raw:  # 16-bit elements, returned as the n // 2 words that hold them
+                sig = nbt.UniTuple(nbt.uint32, n // 2)(ptr, i)
+            else:
+                sig = nbt.UniTuple(ptr.dtype, n)(ptr, i)
 
             def codegen(context, builder, sig, args):
                 p, idx = args
@@ -298,7 +311,9 @@ if _IMPORT_ERROR is None:
                     v = builder.load(builder.bitcast(addr, vt.as_pointer()),
                                      align=min(16, n * context.get_abi_sizeof(lt)))
                     regs = [builder.extract_element(v, ir.Constant(_I32, k)) for k in range(count)]
-                if context.get_abi_sizeof(lt) == 2 and n >= 2:
+                if raw:
+                    vals = regs
+                elif context.get_abi_sizeof(lt) == 2 and n >= 2:
                     # 32-bit words of 16-bit elements: split them, low half first
                     vals = []
                     for word in regs:
@@ -313,8 +328,13 @@ if _IMPORT_ERROR is None:
             return sig, codegen
         return ldv
 
-    def _make_stv(n, hint):
+    def _make_stv(n, hint, raw=False):
         if SIM:
+            if raw:
+                def stv(ptr, i, arr, k):
+                    ptr[i:i + n] = np.ascontiguousarray(arr[k:k + n // 2]).view(ptr.dtype)
+                return stv
+
             def stv(ptr, i, arr, k):
                 for e in range(n):
                     ptr[i + e] = arr[k + e]
@@ -322,19 +342,22 @@ if _IMPORT_ERROR is None:
 
         @intrinsic
         def stv(typingctx, ptr, i, arr, k):
-            if arr.dtype != ptr.dtype:
+            if arr.dtype != (nbt.uint32 if raw else ptr.dtype):
                 return None
             sig = nbt.void(ptr, i, arr, k)
 
             def codegen(context, builder, sig, args):
                 p, idx, a, start = args
                 data = context.make_array(sig.args[2])(context, builder, a).data
+                m = n // 2 if raw else n  # raw: arr holds the words of n 16-bit elements
                 vals = [builder.load(builder.gep(data, [builder.add(start, ir.Constant(start.type, e))]))
-                        for e in range(n)]
+                        for e in range(m)]
                 lt = context.get_value_type(sig.args[0].dtype)
                 size = context.get_abi_sizeof(lt)
                 rt, count, ptx_t, letter = _regs(context, sig.args[0].dtype, n)
-                if size == 2 and n >= 2:  # 16-bit elements: pack pairs into words
+                if raw:
+                    regs = vals
+                elif size == 2 and n >= 2:  # 16-bit elements: pack pairs into words
                     i16 = ir.IntType(16)
                     regs = [builder.or_(builder.zext(builder.bitcast(vals[2 * w], i16), _I32),
                                         builder.shl(builder.zext(builder.bitcast(vals[2 * w + 1], i16), _I32),
@@ -368,6 +391,41 @@ if _IMPORT_ERROR is None:
 
     _LDV = {(n, h): _make_ldv(n, h) for n in (1, 2, 4, 8) for h in ("", "cs", "nc")}
     _STV = {(n, h): _make_stv(n, h) for n in (1, 2, 4, 8) for h in ("", "cs")}
+    # The same for n 16-bit elements kept as their n // 2 32-bit words (``_LDW`` returns
+    # the words, ``_STW`` stores words from a local uint32 array): a thread that unpacks
+    # 16-bit vectors only where it uses them holds half the registers (the paired-channel
+    # stream for 16-bit out: 91 registers with halves, see _make_stream).
+    _LDW = {(n, h): _make_ldv(n, h, raw=True) for n in (2, 4, 8) for h in ("", "cs")}
+    _STW = {(n, h): _make_stv(n, h, raw=True) for n in (2, 4, 8) for h in ("", "cs")}
+
+    # float16 bits (the low 16 bits of an integer) to float32, exactly, and float32 to
+    # float16 bits, rounded to nearest even (cvt.f32.f16 and cvt.rn.f16.f32).
+    if SIM:
+        def _f16_value(u):
+            return np.float32(np.uint16(int(u) & 0xFFFF).view(np.float16))
+
+        def _f16_bits(f):
+            return int(np.float16(np.float32(f)).view(np.uint16))
+    else:
+        @intrinsic
+        def _f16_value(typingctx, u):
+            sig = nbt.float32(u)
+
+            def codegen(context, builder, sig, args):
+                h = builder.bitcast(builder.trunc(args[0], ir.IntType(16)), ir.HalfType())
+                return builder.fpext(h, ir.FloatType())
+            return sig, codegen
+
+        @intrinsic
+        def _f16_bits(typingctx, f):
+            if f != nbt.float32:
+                return None
+            sig = nbt.uint32(f)
+
+            def codegen(context, builder, sig, args):
+                h = builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+                return builder.zext(h, _I32)
+            return sig, codegen
 
 # ---------------------------------------------------------------------------------------
 # The forward kernels. Index names follow SPEC section 1. Arrays are (pointer, base,
@@ -658,9 +716,33 @@ if _IMPORT_ERROR is None:
         channels of one group (_stream_shape); each thread loads its P vectors of S once
         for its CH channels, and all its vectors of out before it stores any. V > 1
         only when the segments are contiguous and aligned in out (checked on the host)."""
-        ldo, lds, st = _LDV[V, STREAMING], _LDV[V, READONLY], _STV[V, STREAMING]
         P, CH = _stream_shape(OT.bitwidth // 8, str(ACC))
-        PV, PCV = P * V, P * CH * V  # constants: the size of a local array must be one
+        # 16-bit out with float32 sums, in vectors: out stays in 32-bit words (two
+        # elements each) from its load to its store, unpacked only for the arithmetic.
+        RAW = OT.bitwidth == 16 and ACC == nbt.float32 and V >= 2
+        NW = V // 2 if RAW else V  # words (RAW) or elements of out a vector
+        if RAW:
+            ldo, st = _LDW[V, STREAMING], _STW[V, STREAMING]
+            half = _f16_value if OT == nbt.float16 else _bf16_value
+            bits = _f16_bits if OT == nbt.float16 else _bf16_bits
+
+            @cuda.jit(device=True)
+            def update(optr, ov, i, c, sv, j, zero):
+                """Word i of out (two elements, low half first) + c * sv[j : j + 2]."""
+                lo = half(ov[i] & 0xFFFF) + c * sv[j]
+                hi = half(ov[i] >> 16) + c * sv[j + 1]
+                return bits(lo) | (bits(hi) << 16)
+        else:
+            ldo, st = _LDV[V, STREAMING], _STV[V, STREAMING]
+
+            @cuda.jit(device=True)
+            def update(optr, ov, i, c, sv, j, zero):
+                """Element i of out + c * sv[j]."""
+                return _to_elem(optr, _to_acc(ov[i], zero) + c * sv[j])
+        lds = _LDV[V, READONLY]
+        PV, PCW = P * V, P * CH * NW  # constants: the size of a local array must be one
+        WT = nbt.uint32 if RAW else OT
+        EW = V // NW  # elements a word of ov
 
         def stream(optr, obase, ost, cptr, cbase, cst, has_c, cval, sptr, geo, nseg, seg_len,
                    tiles, zero):
@@ -683,7 +765,7 @@ if _IMPORT_ERROR is None:
                 ob = obase + b * ost[0] + c0 * ost[1]
                 sb = bg * nseg * seg_len
                 oo = cuda.local.array(P, nbt.int64)
-                ov = cuda.local.array(PCV, OT)  # as loaded: converted where used
+                ov = cuda.local.array(PCW, WT)  # as loaded: converted where used
                 sv = cuda.local.array(PV, ACC)
                 for k in range(P):
                     f = (tin * P + k) * nt + tid
@@ -709,23 +791,23 @@ if _IMPORT_ERROR is None:
                         for ch in range(CH):
                             # past the group's last channel: channel c0 again (never stored)
                             x = ldo(optr, off + min(ch, nch - 1) * ost[1])
-                            for e in range(V):
-                                ov[(k * CH + ch) * V + e] = x[e]
+                            for w in range(NW):
+                                ov[(k * CH + ch) * NW + w] = x[w]
                 cc = cuda.local.array(CH, ACC)
                 for ch in range(CH):
                     cc[ch] = (_to_acc(cptr[cbase + (c0 + min(ch, nch - 1)) * cst], zero)
                               if has_c else cval)
-                res = cuda.local.array(PCV, OT)
+                res = cuda.local.array(PCW, WT)
                 for k in range(P):
                     for ch in range(CH):
-                        for e in range(V):
-                            i = (k * CH + ch) * V + e
-                            res[i] = _to_elem(optr, _to_acc(ov[i], zero) + cc[ch] * sv[k * V + e])
+                        for w in range(NW):
+                            i = (k * CH + ch) * NW + w
+                            res[i] = update(optr, ov, i, cc[ch], sv, k * V + EW * w, zero)
                 for k in range(P):
                     if (tin * P + k) * nt + tid < nf:
                         for ch in range(CH):
                             if ch < nch:
-                                st(optr, oo[k] + ch * ost[1], res, (k * CH + ch) * V)
+                                st(optr, oo[k] + ch * ost[1], res, (k * CH + ch) * NW)
                 tile += cuda.gridDim.x
 
         return stream
