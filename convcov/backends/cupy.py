@@ -242,31 +242,6 @@ template <int HINT, typename C> __device__ __forceinline__ void sth(C* p, C v) {
 #endif
 }
 
-// V consecutive elements of T, in chunks of at most 16 bytes; the caller guarantees that
-// p is aligned to min(16, V * sizeof(T)) bytes.
-template <typename T, int V, int HINT>
-__device__ __forceinline__ void ldv(const T* p, T (&r)[V]) {
-  enum { NB = V * (int)sizeof(T), CB = NB > 16 ? 16 : NB };
-  typedef typename Chunk<CB>::type C;
-  union { C c[NB / CB]; T t[V]; } u;
-  const C* s = reinterpret_cast<const C*>(p);
-#pragma unroll
-  for (int i = 0; i < NB / CB; ++i) u.c[i] = ldh<HINT>(s + i);
-#pragma unroll
-  for (int e = 0; e < V; ++e) r[e] = u.t[e];
-}
-template <typename T, int V, int HINT>
-__device__ __forceinline__ void stv(T* p, const T (&r)[V]) {
-  enum { NB = V * (int)sizeof(T), CB = NB > 16 ? 16 : NB };
-  typedef typename Chunk<CB>::type C;
-  union { C c[NB / CB]; T t[V]; } u;
-#pragma unroll
-  for (int e = 0; e < V; ++e) u.t[e] = r[e];
-  C* d = reinterpret_cast<C*>(p);
-#pragma unroll
-  for (int i = 0; i < NB / CB; ++i) sth<HINT>(d + i, u.c[i]);
-}
-
 // V elements of T as raw 16-byte (or smaller) chunks: loaded now, unpacked when used, so
 // that a 16-bit vector's unpacking does not make the next load wait for this one.
 template <typename T, int V> struct Raw {
@@ -287,6 +262,26 @@ __device__ __forceinline__ void unpack(const Raw<T, V>& r, T (&t)[V]) {
   for (int i = 0; i < Raw<T, V>::NB / Raw<T, V>::CB; ++i) u.c[i] = r.c[i];
 #pragma unroll
   for (int e = 0; e < V; ++e) t[e] = u.t[e];
+}
+
+// V consecutive elements of T, in chunks of at most 16 bytes; the caller guarantees that
+// p is aligned to min(16, V * sizeof(T)) bytes.
+template <typename T, int V, int HINT>
+__device__ __forceinline__ void ldv(const T* p, T (&r)[V]) {
+  Raw<T, V> w;
+  ldraw<T, V, HINT>(p, w);
+  unpack<T, V>(w, r);
+}
+template <typename T, int V, int HINT>
+__device__ __forceinline__ void stv(T* p, const T (&r)[V]) {
+  enum { NB = V * (int)sizeof(T), CB = NB > 16 ? 16 : NB };
+  typedef typename Chunk<CB>::type C;
+  union { C c[NB / CB]; T t[V]; } u;
+#pragma unroll
+  for (int e = 0; e < V; ++e) u.t[e] = r[e];
+  C* d = reinterpret_cast<C*>(p);
+#pragma unroll
+  for (int i = 0; i < NB / CB; ++i) sth<HINT>(d + i, u.c[i]);
 }
 
 // Run-time typed access, for the small arrays (mu, c) and the generic kernel: the dtype
@@ -528,6 +523,13 @@ __global__ void __launch_bounds__(THREADS) cc_sbox(const Args a) {
 // is kh when the host instantiated it (3), else 0 (kh <= WALK_KMAX, unrolled selects).
 // U steps' loads are issued before their sums.
 #define WALK_KMAX 7
+// The ring of the last kh - 1 row sums, oldest first, after ``r`` joined it.
+template <typename Acc, int KH, int RS>
+__device__ __forceinline__ void ring_push(Acc (&ring)[RS], Acc r, int kh) {
+#pragma unroll
+  for (int v = 0; v < RS - 1; ++v) ring[v] = KH > 0 || v + 1 < kh - 1 ? ring[v + 1] : r;
+  ring[RS - 1] = r;
+}
 template <typename Acc, int KH, int U>
 __global__ void __launch_bounds__(THREADS) cc_sbox_walk(const Args a) {
   enum { R = KH > 0 ? KH - 1 : WALK_KMAX - 1, RS = R > 0 ? R : 1 };  // ring size
@@ -563,9 +565,7 @@ __global__ void __launch_bounds__(THREADS) cc_sbox_walk(const Args a) {
       if (x >= xlo && x < xhi)
         for (int ji = 0; ji < kw; ++ji)
           if (cols >> ji & 1u) r = aadd(r, ldh<0>(Tb + x * DI + ji * DJ));
-#pragma unroll
-      for (int v = 0; v < RS - 1; ++v) ring[v] = v + 1 < kh - 1 ? ring[v + 1] : r;
-      ring[RS - 1] = r;
+      ring_push<Acc, KH, RS>(ring, r, kh);
     }
     for (int i0 = i0s; i0 < i0e; i0 += U, x += U) {  // then U new ones a round
       Acc rs[U];
@@ -589,9 +589,7 @@ __global__ void __launch_bounds__(THREADS) cc_sbox_walk(const Args a) {
 #pragma unroll
           for (int v = 0; v < R; ++v) if (KH > 0 || v < kh - 1) s = aadd(s, ring[v]);
           Sd[(i64)(i0 + u) * DS] = aadd(s, rs[u]);
-#pragma unroll
-          for (int v = 0; v < RS - 1; ++v) ring[v] = KH > 0 || v + 1 < kh - 1 ? ring[v + 1] : rs[u];
-          ring[RS - 1] = rs[u];
+          ring_push<Acc, KH, RS>(ring, rs[u], kh);
         }
       }
     }
