@@ -102,12 +102,13 @@ DIRECT_RATIO = 2
 #: A stream thread's share of the update: P positions (vectors of up to 16 bytes) for CH
 #: output channels, which share each vector of S. Float32 out: 4 positions, 1 channel
 #: (80 registers, 3 blocks a multiprocessor). 16-bit out with float32 sums reads 32 bytes
-#: of S a 16-byte vector of out, so 2 channels share them: 2 positions, out kept in
-#: 32-bit words (78 registers, 3 blocks). On the H200 (2026-11-30, big-f16's update):
-#: 1717-1720 us, against 1989 at 1 position (54 registers, 4 blocks) and 2414 at 2
-#: positions with out unpacked into halves (91 registers, 2 blocks).
+#: of S a 16-byte vector of out, so several channels share them: 1 position for 4
+#: channels, out kept in 32-bit words (64 registers, 4 blocks). On the H200 (2026-11-30,
+#: big-f16's update): 1697-1706 us, against 1733-1735 at 2 positions for 2 channels (78
+#: registers, 3 blocks; same process), 1989 at 1 position for 2 channels (54 registers,
+#: 4 blocks) and 2414 at 2 positions with out unpacked into halves (91 registers, 2 blocks).
 STREAM_P, STREAM_CH = 4, 1
-STREAM_P_16, STREAM_CH_16 = 2, 2
+STREAM_P_16, STREAM_CH_16 = 1, 4
 #: S by walks along its diagonals (sbox_walk) where the rows have stride 1 and dilation
 #: 1 and kh <= WALK_KMAX (row sums kept in registers); else one thread an element (sbox).
 SBOX_WALK = True
