@@ -82,7 +82,7 @@ def _elem_strides(byte_strides, itemsize):
     return strides
 
 
-_HOST = ("cpu", None)
+HOST = ("cpu", None)  # the device of every host array
 
 
 def info(x, name: str) -> ArrayInfo:
@@ -92,7 +92,7 @@ def info(x, name: str) -> ArrayInfo:
     small calls, hence the dtype-name caches.
     """
     if isinstance(x, np.ndarray):
-        return ArrayInfo("numpy", _HOST, _numpy_dtype_name(x.dtype), x.shape,
+        return ArrayInfo("numpy", HOST, _numpy_dtype_name(x.dtype), x.shape,
                          _elem_strides(x.strides, x.itemsize),
                          x.__array_interface__["data"][0], not x.flags.writeable)
     if is_torch(x):
@@ -100,7 +100,7 @@ def info(x, name: str) -> ArrayInfo:
             device = ("cuda", x.get_device())
         else:
             dev = x.device
-            device = _HOST if dev.type == "cpu" else (dev.type, dev.index)
+            device = HOST if dev.type == "cpu" else (dev.type, dev.index)
         return ArrayInfo("torch", device, _torch_dtype_name(x.dtype), tuple(x.shape),
                          x.stride(), x.data_ptr(), False)
     if is_cupy(x):
@@ -139,30 +139,28 @@ def _cai_device(x, ptr) -> int | None:
     return None  # unknown: GPU backends then use the current device
 
 
-def extent(a: ArrayInfo) -> tuple[int, int] | None:
-    """[lo, hi) byte range an array can touch; None when it has no elements."""
+def span(a: ArrayInfo) -> tuple[int, int] | None:
+    """[lo, hi) byte range an array can touch, relative to its address; None when it has
+    no elements."""
     if 0 in a.shape:
         return None
     size = ITEMSIZE.get(a.dtype, 1)
-    spans = [(n - 1) * s for n, s in zip(a.shape, a.strides)]  # one pass: this is per call
-    lo = a.ptr + size * sum([d for d in spans if d < 0])
-    hi = a.ptr + size * (sum([d for d in spans if d > 0]) + 1)
-    return lo, hi
+    spans = [(n - 1) * s for n, s in zip(a.shape, a.strides)]
+    return (size * sum([d for d in spans if d < 0]),
+            size * (sum([d for d in spans if d > 0]) + 1))
 
 
 def overlapping(a: ArrayInfo, x, others):
     """Names of ``others`` ((name, info, array) triples, info None for absent ones) that
-    may share memory with array x described by a: a bounds check, a's extent computed once."""
-    if a.kind == "numpy":
-        return [(n, y) for n, b, y in others if b is not None and np.may_share_memory(x, y)]
-    ea = extent(a)
-    if ea is None:
+    may share memory with array x described by a: a bounds check."""
+    sa = span(a)
+    if sa is None:
         return []
     hits = []
     for n, b, y in others:
         if b is not None:
-            eb = extent(b)
-            if eb is not None and ea[0] < eb[1] and eb[0] < ea[1]:
+            sb = span(b)
+            if sb is not None and a.ptr + sa[0] < b.ptr + sb[1] and b.ptr + sb[0] < a.ptr + sa[1]:
                 hits.append((n, y))
     return hits
 

@@ -156,11 +156,17 @@ def conv_params(kernel_size, stride, padding, dilation, groups):
     return parsed
 
 
-def normalise(out, gamma, mu, c, kernel_size, stride, padding, dilation, groups) -> Problem:
-    """Validate one call and describe it as a :class:`Problem` (no side effects)."""
-    G, (kh, kw), weight, (sh, sw), (ph, pw), (dh, dw) = conv_params(
-        kernel_size, stride, padding, dilation, groups)
+_checked: dict = {}  # call signature (no addresses) -> what _check derived from it
 
+
+def normalise(out, gamma, mu, c, kernel_size, stride, padding, dilation, groups) -> Problem:
+    """Validate one call and describe it as a :class:`Problem` (no side effects).
+
+    Everything but the aliasing check depends only on the call's signature (conv
+    parameters; kind, device, dtype, shape, strides of each array; out's writability),
+    so a signature that passed :func:`_check` once is not checked again: small calls
+    cannot afford it (SPEC's toy workload is dominated by the host).
+    """
     mu_i = _arrays.info(mu, "mu")
     out_i = _arrays.info(out, "out")
     gamma_i = None if gamma is None else _arrays.info(gamma, "gamma")
@@ -174,6 +180,55 @@ def normalise(out, gamma, mu, c, kernel_size, stride, padding, dilation, groups)
     elif isinstance(c, numbers.Complex) and not isinstance(c, numbers.Real):
         raise TypeError(f"c: expected a real number; got {c!r}")
 
+    key = chk = None
+    if (_plain_param(kernel_size) and _plain_param(stride) and _plain_param(padding)
+            and _plain_param(dilation) and type(groups) is int):
+        # ArrayInfo[:5]: kind, device, dtype, shape, strides (not the address)
+        key = (kernel_size, stride, padding, dilation, groups, mu_i[:5], out_i[:5],
+               out_i.readonly, None if gamma_i is None else gamma_i[:5],
+               None if c_i is None else c_i[:5])
+        chk = _checked.get(key)
+    if chk is None:
+        chk = _check(out_i, gamma_i, mu_i, c_i, kernel_size, stride, padding, dilation, groups)
+        if key is not None and len(_checked) < 4096:
+            _checked[key] = chk
+    (G, kh, kw, sh, sw, ph, pw, dh, dw, B, Ci, Co, H, W, Ho, Wo, acc, spans) = chk
+
+    # Memory: out is written in place, so it must alias no input (a bounds check).
+    if spans[0] is not None:
+        lo, hi = out_i.ptr + spans[0][0], out_i.ptr + spans[0][1]
+        for n, a, span in (("gamma", gamma_i, spans[1]), ("mu", mu_i, spans[2]),
+                           ("c", c_i, spans[3])):
+            if span is not None and lo < a.ptr + span[1] and a.ptr + span[0] < hi:
+                raise ValueError(f"out: shares memory with {n}; pass separate arrays")
+
+    out_arr, gamma_arr, mu_arr, c_arr = out, gamma, mu, c
+    if mu_i.device[0] == "cpu":
+        out_arr = _arrays.host_view(out, out_i.dtype)
+        mu_arr = _arrays.host_view(mu, mu_i.dtype)
+        gamma_arr = None if gamma is None else _arrays.host_view(gamma, gamma_i.dtype)
+        if c_i is not None:
+            c_arr = _arrays.host_view(c, c_i.dtype)
+            if c_arr.ndim == 0:
+                c_arr = np.broadcast_to(c_arr, (Co,))
+    c_value = 0.0
+    if c_i is None:
+        c_value, c_arr = float(c), None
+    return Problem(
+        out_arr, gamma_arr, mu_arr, c_arr, c_value, out_i, gamma_i, mu_i, c_i,
+        len(out_i.shape) == 7, gamma_i is not None and len(gamma_i.shape) == 7,
+        B, Ci, Co, G, H, W, Ho, Wo, kh, kw, sh, sw, ph, pw, dh, dw, acc,
+        mu_i.kind, mu_i.device,
+    )
+
+
+def _check(out_i, gamma_i, mu_i, c_i, kernel_size, stride, padding, dilation, groups):
+    """Every check of SPEC section 3 that does not need the addresses; raises on the first
+    failure. Returns (G, kh, kw, sh, sw, ph, pw, dh, dw, B, Ci, Co, H, W, Ho, Wo, acc,
+    spans): spans are the byte ranges (from the address) that out, gamma, mu and c can
+    touch, None for an absent or empty array."""
+    G, (kh, kw), weight, (sh, sw), (ph, pw), (dh, dw) = conv_params(
+        kernel_size, stride, padding, dilation, groups)
     arrays = [("out", out_i), ("gamma", gamma_i), ("mu", mu_i), ("c", c_i)]
     arrays = [(n, a) for n, a in arrays if a is not None]
     kinds = {(a.kind, a.device) for _, a in arrays}
@@ -220,37 +275,15 @@ def normalise(out, gamma, mu, c, kernel_size, stride, padding, dilation, groups)
     if c_i is not None and c_i.shape not in ((), (Co,)):
         raise ShapeError(f"c: expected a number, a 0-d array or shape (Co,) = ({Co},); "
                          f"got shape {c_i.shape}")
-
-    # Memory: out is written in place, so it must be writable and alias no input.
     if out_i.readonly:
         raise ValueError("out: is read-only; accumulate writes into it in place")
-    for n, x in _arrays.overlapping(out_i, out, (("gamma", gamma_i, gamma), ("mu", mu_i, mu),
-                                                 ("c", c_i, c))):
-        raise ValueError(f"out: shares memory with {n}; pass separate arrays")
 
     acc = "float32"
     for _, a in arrays:
         if a.dtype == "float64":
             acc = "float64"
-    host = device_type == "cpu"
-    out_arr, gamma_arr, mu_arr, c_arr = out, gamma, mu, c
-    if host:
-        out_arr = _arrays.host_view(out, out_i.dtype)
-        mu_arr = _arrays.host_view(mu, mu_i.dtype)
-        gamma_arr = None if gamma is None else _arrays.host_view(gamma, gamma_i.dtype)
-        if c_i is not None:
-            c_arr = _arrays.host_view(c, c_i.dtype)
-            if c_arr.ndim == 0:
-                c_arr = np.broadcast_to(c_arr, (Co,))
-    c_value = 0.0
-    if c_i is None:
-        c_value, c_arr = float(c), None
-    return Problem(
-        out_arr, gamma_arr, mu_arr, c_arr, c_value, out_i, gamma_i, mu_i, c_i,
-        len(out_i.shape) == 7, gamma_i is not None and len(gamma_i.shape) == 7,
-        B, Ci, Co, G, H, W, Ho, Wo, kh, kw, sh, sw, ph, pw, dh, dw, acc,
-        mu_i.kind, mu_i.device,
-    )
+    spans = tuple(None if a is None else _arrays.span(a) for a in (out_i, gamma_i, mu_i, c_i))
+    return G, kh, kw, sh, sw, ph, pw, dh, dw, B, Ci, Co, H, W, Ho, Wo, acc, spans
 
 
 def _device_str(device):

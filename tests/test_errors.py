@@ -113,6 +113,43 @@ def test_out_sharing_memory(other):
     np.testing.assert_array_equal(a["out"], before)
 
 
+@pytest.mark.parametrize("other", ["gamma", "mu", "c"])
+def test_checks_after_the_same_signature_passed(other):
+    """The front end validates a call signature once (_frontend._checked); what depends
+    on the arrays themselves is still checked on every call: aliasing (addresses) and
+    writability. Each bad call below has the signature of a good call made just before."""
+    from convcov import _frontend
+
+    a = good()
+    call(a)  # this signature is now known good
+    assert any(k[6] == (("numpy", ("cpu", None), "float32", a["out"].shape,
+                         tuple(s // 4 for s in a["out"].strides)))
+               for k in _frontend._checked)
+    b = good()
+    size = b["out"].size
+    buf = np.zeros(size + b[other].size, np.float32)
+    b["out"] = buf[:size].reshape(b["out"].shape)
+    b[other] = buf[size - 1: size - 1 + b[other].size].reshape(b[other].shape)
+    assert b["out"].strides == a["out"].strides and b[other].strides == a[other].strides
+    _assert_rejected(b, ValueError, [f"out: shares memory with {other}"])
+    c = good()
+    c["out"].flags.writeable = False
+    _assert_rejected(c, ValueError, ["out: is read-only"])
+    call(good())  # and the good signature still passes
+
+
+def test_signature_cache_tells_strides_apart():
+    """A view with other strides than a signature that passed is validated on its own:
+    a transposed out (same shape, other strides) is valid and must give the reference."""
+    a = good()
+    call(a)
+    ref = good()
+    ref["out"] = np.ascontiguousarray(ref["out"])
+    t = good()
+    t["out"] = np.asfortranarray(t["out"])  # same shape and values, reversed strides
+    np.testing.assert_allclose(call(t), call(ref), rtol=1e-6)
+
+
 def test_mixed_kinds():
     torch = pytest.importorskip("torch")
     a = good()
