@@ -82,7 +82,7 @@ def _elem_strides(byte_strides, itemsize):
     return strides
 
 
-HOST = ("cpu", None)  # the device of every host array
+_HOST = ("cpu", None)
 
 
 def info(x, name: str) -> ArrayInfo:
@@ -92,7 +92,7 @@ def info(x, name: str) -> ArrayInfo:
     small calls, hence the dtype-name caches.
     """
     if isinstance(x, np.ndarray):
-        return ArrayInfo("numpy", HOST, _numpy_dtype_name(x.dtype), x.shape,
+        return ArrayInfo("numpy", _HOST, _numpy_dtype_name(x.dtype), x.shape,
                          _elem_strides(x.strides, x.itemsize),
                          x.__array_interface__["data"][0], not x.flags.writeable)
     if is_torch(x):
@@ -100,7 +100,7 @@ def info(x, name: str) -> ArrayInfo:
             device = ("cuda", x.get_device())
         else:
             dev = x.device
-            device = HOST if dev.type == "cpu" else (dev.type, dev.index)
+            device = _HOST if dev.type == "cpu" else (dev.type, dev.index)
         return ArrayInfo("torch", device, _torch_dtype_name(x.dtype), tuple(x.shape),
                          x.stride(), x.data_ptr(), False)
     if is_cupy(x):
@@ -150,19 +150,18 @@ def span(a: ArrayInfo) -> tuple[int, int] | None:
             size * (sum([d for d in spans if d > 0]) + 1))
 
 
+def overlaps(a: ArrayInfo, sa, b: ArrayInfo, sb) -> bool:
+    """Whether arrays a and b, with their spans sa and sb (``span``), may share memory:
+    a bounds check."""
+    return (sa is not None and sb is not None
+            and a.ptr + sa[0] < b.ptr + sb[1] and b.ptr + sb[0] < a.ptr + sa[1])
+
+
 def overlapping(a: ArrayInfo, x, others):
     """Names of ``others`` ((name, info, array) triples, info None for absent ones) that
-    may share memory with array x described by a: a bounds check."""
+    may share memory with array x described by a."""
     sa = span(a)
-    if sa is None:
-        return []
-    hits = []
-    for n, b, y in others:
-        if b is not None:
-            sb = span(b)
-            if sb is not None and a.ptr + sa[0] < b.ptr + sb[1] and b.ptr + sb[0] < a.ptr + sa[1]:
-                hits.append((n, y))
-    return hits
+    return [(n, y) for n, b, y in others if b is not None and overlaps(a, sa, b, span(b))]
 
 
 def host_view(x, dtype: str) -> np.ndarray:

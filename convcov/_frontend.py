@@ -194,13 +194,11 @@ def normalise(out, gamma, mu, c, kernel_size, stride, padding, dilation, groups)
             _checked[key] = chk
     (G, kh, kw, sh, sw, ph, pw, dh, dw, B, Ci, Co, H, W, Ho, Wo, acc, spans) = chk
 
-    # Memory: out is written in place, so it must alias no input (a bounds check).
-    if spans[0] is not None:
-        lo, hi = out_i.ptr + spans[0][0], out_i.ptr + spans[0][1]
-        for n, a, span in (("gamma", gamma_i, spans[1]), ("mu", mu_i, spans[2]),
-                           ("c", c_i, spans[3])):
-            if span is not None and lo < a.ptr + span[1] and a.ptr + span[0] < hi:
-                raise ValueError(f"out: shares memory with {n}; pass separate arrays")
+    # Memory: out is written in place, so it must alias no input.
+    for n, a, span in (("gamma", gamma_i, spans[1]), ("mu", mu_i, spans[2]),
+                       ("c", c_i, spans[3])):
+        if _arrays.overlaps(out_i, spans[0], a, span):
+            raise ValueError(f"out: shares memory with {n}; pass separate arrays")
 
     out_arr, gamma_arr, mu_arr, c_arr = out, gamma, mu, c
     if mu_i.device[0] == "cpu":
