@@ -73,6 +73,17 @@ class Problem:
     def empty(self) -> bool:
         return 0 in (self.B, self.Co, self.Ho, self.Wo)
 
+    def layout_key(self) -> tuple:
+        """What a GPU backend's launch plan depends on: the conv parameters, the
+        accumulation dtype and each array's dtype, shape, strides and address modulo 16
+        (which vector loads it allows); never the addresses themselves."""
+        oi, gi, mi, ci = self.out_info, self.gamma_info, self.mu_info, self.c_info
+        return (self.acc, self.kh, self.kw, self.sh, self.sw, self.ph, self.pw, self.dh,
+                self.dw, self.G, oi.dtype, oi.shape, oi.strides, oi.ptr & 15,
+                None if gi is None else (gi.dtype, gi.shape, gi.strides, gi.ptr & 15),
+                mi.dtype, mi.shape, mi.strides, mi.ptr & 15,
+                None if ci is None else (ci.dtype, ci.shape, ci.strides))
+
 
 def _int(name, v):
     if isinstance(v, bool) or isinstance(v, (float, complex)):

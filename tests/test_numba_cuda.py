@@ -73,6 +73,7 @@ def path(request, monkeypatch):
     monkeypatch.setattr(mod, "DIRECT_TERMS", 1 << 62 if direct else -1)
     monkeypatch.setattr(mod, "DIRECT_RATIO", 1 << 62 if direct else -1)
     monkeypatch.setattr(mod, "SBOX_WALK", request.param != "three-box")
+    monkeypatch.setattr(mod, "_plans", {})  # plans remember the path chosen
     return request.param
 
 
@@ -218,6 +219,50 @@ def test_negative_strides(path):
     np.testing.assert_allclose(out_v, ref, rtol=1e-5, atol=1e-5)
 
 
+def test_packed_arguments():
+    """A plan's launch arguments as the driver takes them (_pack): one 8-byte word an
+    argument, tuples spread out, negative ints as int64, floats as the accumulation type
+    in the word's low bytes, and where each per-call value (_Slot) goes."""
+    from convcov.backends import numba_cuda as mod
+
+    args = (mod._OUT, 7, (3, -2, 0), mod._CVAL, 0.5, (mod._S, 1))
+    words, fill = mod._pack(args, "float32")
+    assert list(words) == [0, 7, 3, 2**64 - 2, 0, 0, 0x3F000000, 0, 1]
+    assert fill == ((0, 0), (5, 6), (7, 4))
+    words, _ = mod._pack(args, "float64")
+    assert words[6] == 0x3FE0000000000000
+    assert mod._bits(-1.5, "float32") == 0xBFC00000
+    assert mod._bits(-1.5, "float64") == 0xBFF8000000000000
+
+
+@gpu
+@pytest.mark.skipif(not has_cupy_gpu(), reason="negative strides on a GPU come from CuPy")
+@pytest.mark.parametrize("form", ["gamma-number", "none-array"])
+def test_packed_launch_matches_numbas_own(path, monkeypatch, form):
+    """The packed driver launch (FAST_LAUNCH) and Numba's own launch give the same bits:
+    every argument (negative strides, float16 out, a number or an array c, no gamma)
+    reaches the kernels as Numba itself would pass it."""
+    import cupy
+    from convcov.backends import numba_cuda as mod
+
+    rng = np.random.default_rng(11)
+    out0, g, mu, c, k, conv = _problem(rng, 2, 3, 4, 5, 6, (3, 2), True,
+                                       "full" if form == "gamma-number" else None,
+                                       padding=(1, 0))
+    cc = 0.75 if form == "gamma-number" else cupy.asarray(c, dtype=cupy.float32)
+    results = []
+    for fast in (True, False):
+        monkeypatch.setattr(mod, "FAST_LAUNCH", fast)
+        monkeypatch.setattr(mod, "_plans", {})
+        out = cupy.asarray(out0, dtype=cupy.float16)[:, ::-1, :, ::-1, ::-1, :, ::-1]
+        gg = None if g is None else cupy.asarray(g, dtype=cupy.float32)[..., ::-1]
+        mm = cupy.asarray(mu, dtype=cupy.float32)[..., ::-1]
+        convcov.accumulate(out, gg, mm, cc, k, backend="numba_cuda", **conv)
+        results.append(cupy.asnumpy(out))
+    np.testing.assert_array_equal(results[0], results[1])
+    assert not np.array_equal(results[0], out0.astype(np.float16)[:, ::-1, :, ::-1, ::-1, :, ::-1])
+
+
 @available
 @pytest.mark.parametrize("dtype, full_out, misaligned, widths", [
     ("float32", False, False, {"gsum": 4, "stream": 4}),  # 16-byte loads; out: one axpy
@@ -233,17 +278,12 @@ def test_vector_widths(monkeypatch, dtype, full_out, misaligned, widths):
     from convcov.backends import numba_cuda as mod
 
     monkeypatch.setattr(mod, "DIRECT_TERMS", -1)
-    launched = {}
-    real = mod._launch
-
-    def spy(name, elems, acc, V, *rest, **kw):
-        launched[name] = V
-        return real(name, elems, acc, V, *rest, **kw)
-
-    monkeypatch.setattr(mod, "_launch", spy)
+    monkeypatch.setattr(mod, "_plans", {})
     rng = np.random.default_rng(5)
     out, g, mu, c, k, cv = _problem(rng, 1, 5, 2, 4, 4, (1, 1), full_out, "diag")
     _check(out, g, mu, c, k, cv, KINDS[0], (dtype,) * 4, misalign=misaligned)
+    (plan,) = mod._plans.values()
+    launched = {ln.name: ln.V for ln in plan.launches}
     assert {n: launched[n] for n in widths} == widths, launched
 
 

@@ -141,4 +141,5 @@ def test_numba_cuda_simulator_matches_reference(path, data):
         mp.setattr(mod, "DIRECT_TERMS", force)
         mp.setattr(mod, "DIRECT_RATIO", force)
         mp.setattr(mod, "SBOX_WALK", path != "three-box")
+        mp.setattr(mod, "_plans", {})  # plans remember the path chosen
         run_case("numba_cuda", data, small=True)

@@ -112,6 +112,7 @@ enum { DT_F16 = 0, DT_BF16 = 1, DT_F32 = 2, DT_F64 = 3 };
 #define THREADS 256
 #define UNROLL 4          // loads in flight per thread in the streaming loops
 #define UNROLL_DIRECT 8   // ... in cc_direct, whose problems are small: latency-bound
+                          // (16 and 32: toy's kernel no faster, H200 2026-11-30)
 
 // ---------------------------------------------------------------- bits and conversions
 __device__ __forceinline__ float u2f(unsigned u) { union { unsigned u; float f; } x; x.u = u; return x.f; }
@@ -1281,12 +1282,7 @@ class CupyBackend(Backend):
         cp, dev, prev = self._enter(p.device)
         oi, gi, mi, ci = p.out_info, p.gamma_info, p.mu_info, p.c_info
         try:
-            # The plan depends on everything but the addresses (and their alignment).
-            key = (dev, p.acc, p.kh, p.kw, p.sh, p.sw, p.ph, p.pw, p.dh, p.dw, p.G,
-                   oi.dtype, oi.shape, oi.strides, oi.ptr & 15,
-                   None if gi is None else (gi.dtype, gi.shape, gi.strides, gi.ptr & 15),
-                   mi.dtype, mi.shape, mi.strides, mi.ptr & 15,
-                   None if ci is None else (ci.dtype, ci.shape, ci.strides))
+            key = (dev, p.layout_key())  # everything but the addresses
             plan = self._plans.get(key)
             if plan is None:
                 plan = self._plan(p, dev)

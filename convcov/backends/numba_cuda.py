@@ -47,8 +47,10 @@ dtype (float64 sums reach bfloat16 through round-to-odd float32: one rounding).
 Arrays travel as raw device pointers plus element strides (``CPointer`` kernel arguments),
 so every stride, torch's bfloat16 (its ``__cuda_array_interface__`` is unusable) and any
 library work alike, with no array objects to build per call. Kernels are compiled with an
-explicit signature per dtype combination; the launch hands the flattened arguments to
-``cuda.core.launch`` directly, which keeps a call's host time short (the seed's toy).
+explicit signature per dtype combination. A call signature's launches are planned once
+(``_plan``: kernels, launch sizes, every argument packed into 8-byte words, ``_pack``);
+a call writes its addresses into the words and hands them to ``cuLaunchKernel``, which
+keeps a call's host time short (the seed's toy, ``mid``).
 
 Under Numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``, CI without a GPU) the same
 kernels run on the CPU: the backend then declares ``device = "cpu"`` and receives numpy
@@ -63,7 +65,8 @@ import numba.cuda before the backend is used (``import convcov`` stays GPU-free)
 
 from __future__ import annotations
 
-import ctypes
+import array
+import struct
 import sys
 import threading
 
@@ -99,6 +102,9 @@ MAX_GRID = 2**31 - 1
 DIRECT_TERMS = 1 << 22
 #: ... and so do problems where kh*kw*(Ho*Wo)**2 <= DIRECT_RATIO * (H*W)**2 (large strides).
 DIRECT_RATIO = 2
+#: Terms of S whose loads the one-launch kernel issues together (its problems are
+#: latency-bound; 16 and 32 left toy's kernel at 12 us on the H200, 2026-11-30).
+DIRECT_UNROLL = 8
 #: A stream thread's share of the update: P positions (vectors of up to 16 bytes) for CH
 #: output channels, which share each vector of S. Float32 out: 4 positions, 1 channel
 #: (80 registers, 3 blocks a multiprocessor). 16-bit out with float32 sums reads 32 bytes
@@ -817,8 +823,9 @@ if _IMPORT_ERROR is None:
         """The one-launch kernel for small problems: S straight from gamma and mu (the
         channel sum inside the box filter), then out for a chunk of the group's output
         channels; any strides. The (ii, ji, ci) terms are walked as one flat sequence,
-        eight at a time with predicated loads: small problems are latency-bound, so
-        several terms' loads must be in flight together."""
+        DIRECT_UNROLL at a time with predicated loads: small problems are latency-bound,
+        so several terms' loads must be in flight together."""
+        U = DIRECT_UNROLL
 
         def direct(optr, obase, ost, gptr, gbase, gst, has_g, mptr, mbase, mst,
                    cptr, cbase, cst, has_c, cval, geo, nchunk, chunk, n, zero):
@@ -850,10 +857,10 @@ if _IMPORT_ERROR is None:
                 ci = 0
                 t = 0
                 while t < nterm:
-                    gv = cuda.local.array(8, ACC)
-                    m0 = cuda.local.array(8, ACC)
-                    m1 = cuda.local.array(8, ACC)
-                    for u in range(8):
+                    gv = cuda.local.array(U, ACC)
+                    m0 = cuda.local.array(U, ACC)
+                    m1 = cuda.local.array(U, ACC)
+                    for u in range(U):
                         x0 = i0 * sh + ii * dh - ph
                         x1 = i1 * sh + ii * dh - ph
                         y0 = j0 * sw + ji * dw - pw
@@ -876,9 +883,9 @@ if _IMPORT_ERROR is None:
                             if ji == kw:
                                 ji = 0
                                 ii += 1
-                    for u in range(8):
+                    for u in range(U):
                         s = m0[u] * m1[u] + (s + gv[u])
-                    t += 8
+                    t += U
                 c_first = g * Cog + part * chunk
                 oo = obase + b * ost[0] + i0 * ost[2] + j0 * ost[3] + i1 * ost[4] + j1 * ost[5]
                 for c0 in range(c_first, min(c_first + chunk, (g + 1) * Cog)):
@@ -1049,11 +1056,11 @@ _PTR_TYPE = {"float16": "float16", "bfloat16": "uint16", "float32": "float32",
 
 _lock = threading.Lock()
 _compiled: dict = {}  # (kernel name, element types) -> compiled kernel
-_device_kernels: dict = {}  # (kernel name, element types, device id) -> cuda.core kernel
-_streams: dict = {}  # stream handle -> cuda.core Stream (a non-owning wrapper)
+_device_kernels: dict = {}  # (kernel name, element types, device id) -> driver function
+_streams: dict = {}  # stream handle -> the driver binding's CUstream (a non-owning wrapper)
 _limits: dict = {}  # device id -> Limits
-_configs: dict = {}  # (grid, block) -> cuda.core LaunchConfig
-_core = None  # the cuda.core module, imported on the first launch
+_plans: dict = {}  # (device id, Problem.layout_key()) -> _Plan
+_drv = None  # cuda.bindings.driver, imported on the first launch
 
 
 def _signature(name, elems, acc):
@@ -1189,16 +1196,26 @@ def _diag_strides(st, full):
     return tuple(st)
 
 
-def _core_stream(handle):
-    """A cuda.core view of a stream handle (owns nothing, so one per handle is reused)."""
-    s = _streams.get(handle)
-    if s is None:
-        from cuda.core import Stream
+def _driver():
+    """cuda.bindings.driver (the cuda-python package Numba runs on), imported on first use."""
+    global _drv
+    if _drv is None:
+        from cuda.bindings import driver
 
+        _drv = driver
+    return _drv
+
+
+def _driver_stream(handle):
+    """The driver binding's view of a stream handle (owns nothing, so one per handle is
+    reused)."""
+    st = _streams.get(handle)
+    if st is None:
+        _driver()
         if len(_streams) > 1024:  # streams come and go: keep the table bounded
             _streams.clear()
-        s = _streams[handle] = Stream.from_handle(handle)
-    return s
+        st = _streams[handle] = _drv.CUstream(handle)
+    return st
 
 
 def _workspace(p, n, acc):
@@ -1218,19 +1235,43 @@ def _workspace(p, n, acc):
     return t, t.__cuda_array_interface__["data"][0]
 
 
-def _flatten(args, acc_ctype):
-    """Kernel arguments as cuda.core takes them: tuples spread out (as Numba's ABI does),
-    ints as 64-bit (pointers and int64 alike), floats as the accumulation type."""
-    flat = []
+class _Slot:
+    """A launch argument that changes from call to call: an address, or the number c."""
+
+    __slots__ = ("i",)
+
+    def __init__(self, i):
+        self.i = i
+
+
+#: The per-call arguments of a plan's launches, in the order _run gives their values:
+#: out, gamma (mu's address when gamma is None: never read), mu, c (out's address when c
+#: is a number: never read), S, T, and the number c.
+_OUT, _GAMMA, _MU, _C, _S, _T, _CVAL = (_Slot(i) for i in range(7))
+
+_F32, _U32, _F64, _U64 = (struct.Struct(f) for f in ("<f", "<I", "<d", "<Q"))
+
+
+def _pack(args, acc):
+    """Kernel arguments as the driver takes them: tuples spread out (as Numba's ABI
+    does), one 8-byte slot each (ints as int64, floats as the accumulation type in the
+    slot's low bytes; the driver reads each parameter's size from the kernel image).
+    Returns the slots (per-call ones zero) and the (slot, _Slot index) pairs to fill."""
+    words, fill = array.array("Q"), []
     for a in args:
-        t = type(a)
-        if t is tuple:
-            flat.extend(a if min(a, default=0) >= 0 else [ctypes.c_int64(v) for v in a])
-        elif t is float:
-            flat.append(acc_ctype(a))
-        else:
-            flat.append(a if a >= 0 else ctypes.c_int64(a))  # negative: strides of views
-    return flat
+        for v in a if type(a) is tuple else (a,):
+            if type(v) is _Slot:
+                fill.append((len(words), v.i))
+                v = 0
+            elif type(v) is float:
+                v = _bits(v, acc)
+            words.append(v & 0xFFFFFFFFFFFFFFFF)  # negative ints (view strides) as int64
+    return words, tuple(fill)
+
+
+def _bits(v, acc):
+    """The 8-byte word of a float argument: its bits as the accumulation type."""
+    return _U32.unpack(_F32.pack(v))[0] if acc == "float32" else _U64.unpack(_F64.pack(v))[0]
 
 
 def _overload(name, elems, acc, V):
@@ -1239,7 +1280,8 @@ def _overload(name, elems, acc, V):
 
 
 def _device_kernel(name, elems, acc, V, dev_id):
-    """The cuda.core kernel of a compiled kernel, loaded into the current device's context."""
+    """The driver's handle of a compiled kernel, loaded into the current device's context,
+    as cuLaunchKernel takes it (a CUkernel launches as a CUfunction)."""
     key = (name, elems, acc, V, dev_id)
     k = _device_kernels.get(key)
     if k is None:
@@ -1247,38 +1289,94 @@ def _device_kernel(name, elems, acc, V, dev_id):
         with _lock:
             k = _device_kernels.get(key)
             if k is None:
-                k = _device_kernels[key] = overload._codelibrary.get_cufunc().kernel
+                handle = overload._codelibrary.get_cufunc().handle
+                k = _device_kernels[key] = _driver().CUfunction(int(handle))
     return k
 
 
-#: Launch through cuda.core with the arguments flattened here, rather than through Numba's
+#: Launch with the arguments packed once per call signature (_pack) and handed to
+#: ``cuLaunchKernel`` as one array of slot addresses, rather than through Numba's
 #: per-argument marshalling in Python (~40 arguments a launch); False selects Numba's own
 #: launch path (same kernels, same arguments: the H200 run checked both give equal bits).
 FAST_LAUNCH = True
 
 
-def _launch(name, elems, acc, V, dev_id, n_blocks, lim, stream, args, block=THREADS):
-    """Launch kernel ``name`` for ``n_blocks`` blocks of work (Limits.grid)."""
-    grid = lim.grid(n_blocks, block)
-    if SIM:
-        _kernel(name, elems, acc, V)[grid, block](*args)
-        return
-    if not FAST_LAUNCH:
-        _overload(name, elems, acc, V).launch(args, (grid, 1, 1), (block, 1, 1), stream, 0)
-        return
-    global _core
-    if _core is None:
-        from cuda import core  # the cuda-python package, not numba.cuda
+class _Launch:
+    """One kernel launch of a plan: the kernel, its grid and block, and its arguments
+    with _Slot markers where a call's addresses (and the number c) go; on a GPU also the
+    driver's function handle and the packed arguments (_pack)."""
 
-        _core = core
-    kernel = _device_kernel(name, elems, acc, V, dev_id)
-    cfg = _configs.get((grid, block))
-    if cfg is None:
-        if len(_configs) > 4096:
-            _configs.clear()
-        cfg = _configs[(grid, block)] = _core.LaunchConfig(grid=(grid, 1, 1), block=(block, 1, 1))
-    _core.launch(stream, cfg, kernel,
-                 *_flatten(args, ctypes.c_float if acc == "float32" else ctypes.c_double))
+    __slots__ = ("name", "elems", "acc", "V", "grid", "block", "args", "func", "words", "fill",
+                 "tls")
+
+    def __init__(self, name, elems, acc, V, grid, block, args):
+        self.name, self.elems, self.acc, self.V = name, elems, acc, V
+        self.grid, self.block, self.args = grid, block, args
+        self.func = self.words = self.fill = None
+        self.tls = threading.local()  # each thread's copy of the words (plans are shared)
+
+    def bind(self, dev_id):
+        """Compile (once) and look up the kernel on the current device; pack the arguments."""
+        if SIM or not FAST_LAUNCH:
+            _kernel(self.name, self.elems, self.acc, self.V)  # compile now, not mid-call
+            return
+        self.func = _device_kernel(self.name, self.elems, self.acc, self.V, dev_id)
+        self.words, self.fill = _pack(self.args, self.acc)
+
+    def __call__(self, stream, values):
+        """Launch on ``stream`` with ``values`` for the _Slot arguments."""
+        if SIM or not FAST_LAUNCH:
+            args = tuple(_materialise(a, values) for a in self.args)
+            if SIM:
+                _kernel(self.name, self.elems, self.acc, self.V)[self.grid, self.block](*args)
+            else:  # Numba's launch takes a cuda.core stream, the arguments unflattened
+                from cuda.core import Stream
+
+                _overload(self.name, self.elems, self.acc, self.V).launch(
+                    args, (self.grid, 1, 1), (self.block, 1, 1),
+                    Stream.from_handle(int(stream)), 0)
+            return
+        try:
+            words, params = self.tls.bufs
+        except AttributeError:  # this thread's first launch of this plan
+            words = self.words[:]
+            at = words.buffer_info()[0]
+            params = array.array("Q", range(at, at + 8 * len(words), 8))  # void*[n] -> words
+            self.tls.bufs = words, params
+        for i, v in self.fill:
+            words[i] = values[v]
+        # The driver copies the arguments before it returns: the words can be reused.
+        err, = _drv.cuLaunchKernel(self.func, self.grid, 1, 1, self.block, 1, 1, 0, stream,
+                                   params.buffer_info()[0], 0)
+        if err != _drv.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"numba_cuda: launching {self.name} failed: {err!r}")
+
+
+def _launch_once(name, elems, acc, dev_id, grid, block, stream, args):
+    """Launch a kernel whose arguments are all known (no _Slot): the backward's, which
+    has no per-signature plan (it is not on anyone's hot path)."""
+    launch = _Launch(name, elems, acc, 1, grid, block, args)
+    launch.bind(dev_id)
+    launch(stream, ())
+
+
+def _materialise(a, values):
+    if type(a) is _Slot:
+        return values[a.i]
+    if type(a) is tuple:
+        return tuple(values[v.i] if type(v) is _Slot else v for v in a)
+    return a
+
+
+class _Plan:
+    """The launches of one call signature and the scratch they need: ``scratch``
+    elements of the accumulation type, S first (padded to 256 bytes), T ``t_offset``
+    bytes in (no scratch for the one-launch path)."""
+
+    __slots__ = ("launches", "scratch", "t_offset")
+
+    def __init__(self, launches, scratch=0, t_offset=0):
+        self.launches, self.scratch, self.t_offset = launches, scratch, t_offset
 
 
 _ready: dict = {}  # device id -> handle of the context its kernels run in (Numba's)
@@ -1286,8 +1384,7 @@ _ready: dict = {}  # device id -> handle of the context its kernels run in (Numb
 
 def _current_context():
     """Handle of the CUDA context current on this thread (0: none)."""
-    from cuda.bindings import driver
-
+    driver = _driver()
     err, ctx = driver.cuCtxGetCurrent()
     return int(ctx) if err == driver.CUresult.CUDA_SUCCESS else -1
 
@@ -1300,6 +1397,99 @@ def _direct(p):
     terms = p.B * p.G * HoWo * HoWo * max(p.Ci // p.G, 1) * p.kh * p.kw
     sparse_t = HW * HW > HoWo * HoWo and p.kh * p.kw * HoWo * HoWo <= DIRECT_RATIO * HW * HW
     return terms <= DIRECT_TERMS or sparse_t
+
+
+def _layout(arr, info):
+    """(base, element strides) of one array as the kernels take it: the pointer is
+    element [0, ..., 0] on a GPU; under the simulator it is the lowest address (_sim_pointer)."""
+    if SIM:
+        return _sim_pointer(arr)[1:]
+    return 0, info.strides
+
+
+def _plan(p, dev_id):
+    """The launches of one call signature: kernels, launch sizes and every argument but
+    the addresses (and the number c), which _run fills in per call (_Slot markers)."""
+    acc = p.acc
+    zero = np.dtype(acc).type(0) if SIM else 0.0
+    lim = _device_limits(dev_id)
+    out_t, mu_t = _PTR_TYPE[p.out_info.dtype], _PTR_TYPE[p.mu_info.dtype]
+    obase, ost = _layout(p.out, p.out_info)
+    ost = _diag_strides(ost, p.full_out)
+    mbase, mst = _layout(p.mu, p.mu_info)
+    if p.gamma is None:  # never read: any valid address of a compiled type will do
+        gamma_t, has_g, gbase, gst = mu_t, 0, mbase, (0,) * 6
+    else:
+        gamma_t, has_g = _PTR_TYPE[p.gamma_info.dtype], 1
+        gbase, gst = _layout(p.gamma, p.gamma_info)
+        gst = _diag_strides(gst, p.full_gamma)
+    if p.c_info is None:  # a number: the pointer is a dummy that is never read
+        c_t, has_c, cbase, cst = out_t, 0, 0, 0
+    else:
+        c_t, has_c = _PTR_TYPE[p.c_info.dtype], 1
+        cbase, cst = _layout(p.c, p.c_info)
+        cst = cst[0] if cst else 0  # a 0-d c broadcasts: stride 0
+    geo = (p.B, p.G, p.Ci // p.G, p.Co // p.G, p.H, p.W, p.Ho, p.Wo, p.kh, p.kw,
+           p.sh, p.sw, p.ph, p.pw, p.dh, p.dw)
+    HW, Cog, HoWo = p.H * p.W, p.Co // p.G, p.Ho * p.Wo
+    launches = []
+
+    def add(name, elems, V, n_blocks, args):
+        launches.append(_Launch(name, elems, acc, V, lim.grid(n_blocks, THREADS), THREADS,
+                                args))
+
+    if _direct(p):
+        # Split each group's output channels into chunks when one thread per element
+        # of S would leave the device under-filled; every chunk recomputes S.
+        items = p.B * p.G * HoWo * HoWo
+        chunk = -(-Cog // max(1, min(Cog, -(-lim.capacity // items))))
+        n = items * -(-Cog // chunk)
+        add("direct", (out_t, gamma_t, mu_t, c_t), 1, -(-n // THREADS),
+            (_OUT, obase, ost, _GAMMA, gbase, gst, has_g, _MU, mbase, mst,
+             _C, cbase, cst, has_c, _CVAL, geo, n // items, chunk, n, zero))
+        plan = _Plan(launches)
+    else:
+        # Three launches through one scratch buffer: S (padded to 256 bytes), then T.
+        abytes = ITEMSIZE[acc]
+        n_s = p.B * p.G * HoWo * HoWo
+        n_t = p.B * p.G * HW * HW
+        s_pad = -(-n_s * abytes // 256) * 256 // abytes
+        if n_t:
+            if p.gamma is None:
+                V = vector_width(ITEMSIZE[p.mu_info.dtype], HW, mst[2:], (p.H, p.W), mst[:2],
+                                 p.mu_info.ptr)
+            else:
+                V = vector_width(ITEMSIZE[p.gamma_info.dtype], HW, gst[4:], (p.H, p.W), gst[:4],
+                                 p.gamma_info.ptr,
+                                 ((ITEMSIZE[p.mu_info.dtype], mst[2:], mst[:2], p.mu_info.ptr),))
+            n = n_t // V
+            add("gsum", (gamma_t, mu_t), V, -(-n // THREADS),
+                (_T, _GAMMA, gbase, gst, has_g, _MU, mbase, mst, geo, n, zero))
+        if SBOX_WALK and p.sh == 1 and p.dh == 1 and p.kh <= WALK_KMAX:
+            n = p.B * p.G * (2 * p.Ho - 1) * p.Wo * p.Wo
+            kh = 3 if p.kh == 3 else 0  # compiled for the usual height, else for any
+            add("sbox_walk", (), kh, -(-n // THREADS), (_S, _T, geo, n, zero))
+        else:
+            add("sbox", (), 1, -(-n_s // THREADS), (_S, _T, geo, n_s, zero))
+        # out[b, c0] as segments contiguous in S[b, g]: the whole (i0, j0, i1, j1) plane
+        # when it is contiguous in out (a flat axpy), else one segment per (i0, j0).
+        osize = ITEMSIZE[p.out_info.dtype]
+        if contiguous(ost[2:], (p.Ho, p.Wo, p.Ho, p.Wo)):
+            nseg, seg_len = 1, HoWo * HoWo
+            V = vector_width(osize, seg_len, ost[2:], (p.Ho, p.Wo, p.Ho, p.Wo), ost[:2],
+                             p.out_info.ptr)
+        else:
+            nseg, seg_len = HoWo, HoWo
+            V = vector_width(osize, HoWo, ost[4:], (p.Ho, p.Wo), ost[:4], p.out_info.ptr)
+        pos, ch = _stream_shape(osize, acc)
+        tiles = -(-nseg * (seg_len // V) // (THREADS * pos))
+        add("stream", (out_t, c_t), V, p.B * p.G * -(-Cog // ch) * tiles,
+            (_OUT, obase, ost, _C, cbase, cst, has_c, _CVAL, _S, geo, nseg, seg_len, tiles,
+             zero))
+        plan = _Plan(launches, s_pad + n_t, s_pad * abytes)
+    for launch in launches:
+        launch.bind(dev_id)
+    return plan
 
 
 class NumbaCudaBackend(Backend):
@@ -1348,91 +1538,39 @@ class NumbaCudaBackend(Backend):
         self._on_device(self._run, p)
 
     def _run(self, p, dev_id):
+        key = (dev_id, p.layout_key())  # everything but the addresses
+        plan = _plans.get(key)
+        if plan is None:
+            plan = _plan(p, dev_id)
+            if len(_plans) > 512:  # many shapes: start over rather than grow
+                _plans.clear()
+            _plans[key] = plan
         acc = p.acc
-        zero = np.dtype(acc).type(0) if SIM else 0.0
-        lim = _device_limits(dev_id)
-        out_t = _PTR_TYPE[p.out_info.dtype]
-        mu_t = _PTR_TYPE[p.mu_info.dtype]
-        optr, obase, ost = _pointer(p.out, p.out_info)
-        ost = _diag_strides(ost, p.full_out)
-        mptr, mbase, mst = _pointer(p.mu, p.mu_info)
-        if p.gamma is None:  # never read: any valid address of a compiled type will do
-            gamma_t, has_g, (gptr, gbase, gst) = mu_t, 0, (_dummy(mptr, mu_t), mbase, (0,) * 6)
-        else:
-            gamma_t, has_g = _PTR_TYPE[p.gamma_info.dtype], 1
-            gptr, gbase, gst = _pointer(p.gamma, p.gamma_info)
-            gst = _diag_strides(gst, p.full_gamma)
-        if p.c_info is None:  # a number: the pointer is a dummy that is never read
-            c_t, has_c, cptr, cbase, cst = out_t, 0, _dummy(optr, out_t), 0, 0
-        else:
-            c_t, has_c = _PTR_TYPE[p.c_info.dtype], 1
-            cptr, cbase, cst = _pointer(p.c, p.c_info)
-            cst = cst[0] if cst else 0  # a 0-d c broadcasts: stride 0
-        cval = np.dtype(acc).type(p.c_value) if SIM else float(p.c_value)
-        geo = (p.B, p.G, p.Ci // p.G, p.Co // p.G, p.H, p.W, p.Ho, p.Wo, p.kh, p.kw,
-               p.sh, p.sw, p.ph, p.pw, p.dh, p.dw)
-        HW = p.H * p.W
-        stream = None if SIM else _core_stream(current_stream(p.kind, p.device[1]))
-
-        Cog, HoWo = p.Co // p.G, p.Ho * p.Wo
-        if _direct(p):
-            # Split each group's output channels into chunks when one thread per element
-            # of S would leave the device under-filled; every chunk recomputes S.
-            items = p.B * p.G * HoWo * HoWo
-            chunk = -(-Cog // max(1, min(Cog, -(-lim.capacity // items))))
-            n = items * -(-Cog // chunk)
-            _launch("direct", (out_t, gamma_t, mu_t, c_t), acc, 1, dev_id, -(-n // THREADS),
-                    lim, stream, (optr, obase, ost, gptr, gbase, gst, has_g, mptr, mbase, mst,
-                                  cptr, cbase, cst, has_c, cval, geo, n // items, chunk, n,
-                                  zero))
-            return
-
-        # Three launches through one scratch buffer: S (padded to 256 bytes), then T.
-        abytes = ITEMSIZE[acc]
-        n_s = p.B * p.G * HoWo * HoWo
-        n_t = p.B * p.G * HW * HW
-        s_pad = -(-n_s * abytes // 256) * 256 // abytes
         if SIM:
-            buf = np.empty(s_pad + n_t, acc)
-            sptr, tptr = buf, buf[s_pad:]
+            optr, mptr = _sim_pointer(p.out)[0], _sim_pointer(p.mu)[0]
+            gptr = (_dummy(mptr, _PTR_TYPE[p.mu_info.dtype]) if p.gamma is None
+                    else _sim_pointer(p.gamma)[0])
+            cptr = (_dummy(optr, _PTR_TYPE[p.out_info.dtype]) if p.c is None
+                    else _sim_pointer(p.c)[0])
+            cval, stream = np.dtype(acc).type(p.c_value), None
         else:
-            buf, sptr = _workspace(p, s_pad + n_t, acc)
-            tptr = sptr + s_pad * abytes
-        if n_t:
-            if p.gamma is None:
-                V = vector_width(ITEMSIZE[p.mu_info.dtype], HW, mst[2:], (p.H, p.W), mst[:2],
-                                 p.mu_info.ptr)
+            optr, mptr = p.out_info.ptr, p.mu_info.ptr
+            gptr = mptr if p.gamma is None else p.gamma_info.ptr  # never read when None
+            cptr = optr if p.c is None else p.c_info.ptr  # never read when c is a number
+            # the number c as its launch path takes it: packed bits, or a float for Numba's
+            cval = _bits(float(p.c_value), acc) if FAST_LAUNCH else float(p.c_value)
+            stream = _driver_stream(current_stream(p.kind, p.device[1]))
+        buf, sptr, tptr = None, 0, 0
+        if plan.scratch:
+            if SIM:
+                buf = np.empty(plan.scratch, acc)
+                sptr, tptr = buf, buf[plan.t_offset // ITEMSIZE[acc]:]
             else:
-                V = vector_width(ITEMSIZE[p.gamma_info.dtype], HW, gst[4:], (p.H, p.W), gst[:4],
-                                 p.gamma_info.ptr,
-                                 ((ITEMSIZE[p.mu_info.dtype], mst[2:], mst[:2], p.mu_info.ptr),))
-            n = n_t // V
-            _launch("gsum", (gamma_t, mu_t), acc, V, dev_id, -(-n // THREADS), lim, stream,
-                    (tptr, gptr, gbase, gst, has_g, mptr, mbase, mst, geo, n, zero))
-        if SBOX_WALK and p.sh == 1 and p.dh == 1 and p.kh <= WALK_KMAX:
-            n = p.B * p.G * (2 * p.Ho - 1) * p.Wo * p.Wo
-            kh = 3 if p.kh == 3 else 0  # compiled for the usual height, else for any
-            _launch("sbox_walk", (), acc, kh, dev_id, -(-n // THREADS), lim, stream,
-                    (sptr, tptr, geo, n, zero))
-        else:
-            _launch("sbox", (), acc, 1, dev_id, -(-n_s // THREADS), lim, stream,
-                    (sptr, tptr, geo, n_s, zero))
-        # out[b, c0] as segments contiguous in S[b, g]: the whole (i0, j0, i1, j1) plane
-        # when it is contiguous in out (a flat axpy), else one segment per (i0, j0).
-        osize = ITEMSIZE[p.out_info.dtype]
-        if contiguous(ost[2:], (p.Ho, p.Wo, p.Ho, p.Wo)):
-            nseg, seg_len = 1, HoWo * HoWo
-            V = vector_width(osize, seg_len, ost[2:], (p.Ho, p.Wo, p.Ho, p.Wo), ost[:2],
-                             p.out_info.ptr)
-        else:
-            nseg, seg_len = HoWo, HoWo
-            V = vector_width(osize, HoWo, ost[4:], (p.Ho, p.Wo), ost[:4], p.out_info.ptr)
-        pos, ch = _stream_shape(osize, acc)
-        tiles = -(-nseg * (seg_len // V) // (THREADS * pos))
-        _launch("stream", (out_t, c_t), acc, V, dev_id, p.B * p.G * -(-Cog // ch) * tiles,
-                lim, stream,
-                (optr, obase, ost, cptr, cbase, cst, has_c, cval, sptr, geo, nseg, seg_len,
-                 tiles, zero))
+                buf, sptr = _workspace(p, plan.scratch, acc)
+                tptr = sptr + plan.t_offset
+        values = (optr, gptr, mptr, cptr, sptr, tptr, cval)
+        for launch in plan.launches:
+            launch(stream, values)
         del buf  # freed to the library's stream-ordered pool after the launches
 
     def patch_moment_vjp(self, a) -> None:
@@ -1445,7 +1583,7 @@ class NumbaCudaBackend(Backend):
         acc = a.acc
         zero = np.dtype(acc).type(0) if SIM else 0.0
         lim = _device_limits(dev_id)
-        stream = None if SIM else _core_stream(current_stream(a.kind, a.device[1]))
+        stream = None if SIM else _driver_stream(current_stream(a.kind, a.device[1]))
         G, Cg, HW = a.G, a.Ci // a.G, a.H * a.W
         geo = (a.B, G, Cg, 0, a.H, a.W, a.Ho, a.Wo, a.kh, a.kw,
                a.sh, a.sw, a.ph, a.pw, a.dh, a.dw)
@@ -1455,16 +1593,18 @@ class NumbaCudaBackend(Backend):
             g_t = _PTR_TYPE[a.grad_gamma_info.dtype]
             gptr, gbase, gst = _pointer(a.grad_gamma, a.grad_gamma_info)
             gst = _diag_strides(gst, a.full_gamma)
-            _launch("vjp_gamma", (s_t, g_t), acc, 1, dev_id, a.B * G * HW, lim, stream,
-                    (sptr, sbase, sst, gptr, gbase, gst, geo, zero), _block(HW))
+            block = _block(HW)
+            _launch_once("vjp_gamma", (s_t, g_t), acc, dev_id, lim.grid(a.B * G * HW, block),
+                         block, stream, (sptr, sbase, sst, gptr, gbase, gst, geo, zero))
         if a.grad_mu is not None:
             m_t, d_t = _PTR_TYPE[a.mu_info.dtype], _PTR_TYPE[a.grad_mu_info.dtype]
             mptr, mbase, mst = _pointer(a.mu, a.mu_info)
             dptr, dbase, dst = _pointer(a.grad_mu, a.grad_mu_info)
             block = _block(HW)
             n_blocks = a.B * G * -(-Cg // 4) * -(-HW // block)
-            _launch("vjp_mu", (s_t, m_t, d_t), acc, 1, dev_id, n_blocks, lim, stream,
-                    (sptr, sbase, sst, mptr, mbase, mst, dptr, dbase, dst, geo, zero), block)
+            _launch_once("vjp_mu", (s_t, m_t, d_t), acc, dev_id, lim.grid(n_blocks, block), block,
+                         stream, (sptr, sbase, sst, mptr, mbase, mst, dptr, dbase, dst, geo,
+                                  zero))
 
 
 backend = NumbaCudaBackend()
