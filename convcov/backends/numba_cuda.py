@@ -21,8 +21,9 @@ the gamma channel sum, the bound SPEC allows), the design of the ``cupy`` backen
   ``T`` in registers: kw reads of ``T`` an element (stride and dilation 1 along the rows,
   kh <= 7); ``sbox`` forms each element from kh*kw reads (every other case).
 * ``stream`` adds ``c[c0] * S[b, g(c0)]`` into ``out`` in address order, 16-byte
-  vectors, evict-first: a flat axpy per (b, c0) for a contiguous diagonal layout; for
-  16-bit ``out`` two output channels share each vector of ``S`` a thread loads.
+  vectors (out wider than 16 bits loaded through the read-only path, 16-bit out
+  evict-first): a flat axpy per (b, c0) for a contiguous diagonal layout; for
+  16-bit ``out`` four output channels share each vector of ``S`` a thread loads.
 
 Small problems (the seed's toy) and large strides take one launch, ``direct``: S straight
 from gamma and mu, then ``out`` for a chunk of the group's output channels. Each kernel
@@ -122,12 +123,18 @@ WALK_KMAX = 7
 #: Steps of a walk whose loads are issued together (cupy's cc_sbox_walk: 4 -> 8 took
 #: big's S from 165 to 150 us on the H200, 2026-11-30).
 WALK_U = 8
-#: Cache qualifier of the loads and stores of data touched once (gamma, out): "cs",
-#: evict-first (or "": none) ...
+#: Cache qualifier of the loads of gamma, touched once: "cs", evict-first (or "": none;
+#: the out update's are OUT_WIDE and OUT_16 below) ...
 STREAMING = "cs"
 #: ... and of the loads of data re-read from the caches (S, T, mu): "nc", the
 #: read-only path (or "": a plain load).
 READONLY = "nc"
+#: The out update's qualifiers, (load, store), for out wider than 16 bits and for 16-bit
+#: out. The read-only path is correct for out here: each element is loaded once, by the
+#: thread that then stores it, and the store depends on the load. A/B on the H200
+#: (2026-11-30, against .cs for all): big-f32's update 3317 -> 3298 us with .nc loads and
+#: plain stores; big-f16's went 1675 -> 1692 us with plain stores, so 16-bit keeps .cs.
+OUT_WIDE, OUT_16 = ("nc", ""), ("cs", "cs")
 
 
 def _stream_shape(itemsize, acc):
@@ -728,8 +735,9 @@ if _IMPORT_ERROR is None:
         # elements each) from its load to its store, unpacked only for the arithmetic.
         RAW = OT.bitwidth == 16 and ACC == nbt.float32 and V >= 2
         NW = V // 2 if RAW else V  # words (RAW) or elements of out a vector
+        load_hint, store_hint = OUT_16 if OT.bitwidth == 16 else OUT_WIDE
         if RAW:
-            ldo, st = _LDW[V, STREAMING], _STW[V, STREAMING]
+            ldo, st = _LDW[V, load_hint], _STW[V, store_hint]
             half = _f16_value if OT == nbt.float16 else _bf16_value
             bits = _f16_bits if OT == nbt.float16 else _bf16_bits
 
@@ -740,7 +748,7 @@ if _IMPORT_ERROR is None:
                 hi = half(ov[i] >> 16) + c * sv[j + 1]
                 return bits(lo) | (bits(hi) << 16)
         else:
-            ldo, st = _LDV[V, STREAMING], _STV[V, STREAMING]
+            ldo, st = _LDV[V, load_hint], _STV[V, store_hint]
 
             @cuda.jit(device=True)
             def update(optr, ov, i, c, sv, j, zero):
