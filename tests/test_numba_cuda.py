@@ -363,6 +363,40 @@ def test_runs_on_the_current_torch_stream(path):
 
 
 @gpu
+def test_second_gpu(path):
+    """Arrays on cuda:1 are computed there while cuda:0 is current, and calls with the same
+    layout on both devices, interleaved, each use their own device's plan and kernels
+    (torch tensors, and CuPy arrays where CuPy has the GPUs)."""
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs (nvidia-h200-x2)")
+    out, g, mu, c, k, cv = _problem(np.random.default_rng(12), 1, 2, 2, 5, 5, (2, 2))
+    ref = convcov.accumulate(out.copy(), g, mu, c, k, backend="numpy", **cv)
+    torch.cuda.set_device(0)
+
+    def on_torch(x, dev):
+        return torch.tensor(x, dtype=torch.float32, device=f"cuda:{dev}")
+
+    def on_cupy(x, dev):
+        import cupy
+
+        with cupy.cuda.Device(dev):
+            return cupy.asarray(x, dtype=cupy.float32)
+
+    for move in [on_torch] + ([on_cupy] if has_cupy_gpu() else []):
+        arrays = {dev: [move(x, dev) for x in (out, g, mu, c)] for dev in (1, 0)}
+        for _ in range(2):  # the second round takes the planned launches
+            for dev in (1, 0):
+                a = arrays[dev]
+                convcov.accumulate(a[0], a[1], a[2], a[3], k, backend="numba_cuda", **cv)
+        assert torch.cuda.current_device() == 0
+        for dev in (1, 0):
+            np.testing.assert_allclose(to_f64(arrays[dev][0]), out + 2 * (ref - out),
+                                       rtol=1e-4, atol=1e-4)
+
+
+@gpu
 def test_more_than_2_31_elements():
     """out (float32, diagonal layout) of 2.6e9 elements: 64-bit indexing, checked at
     sampled positions past 2**31 against S computed from mu directly (gamma None)."""
