@@ -103,6 +103,9 @@ MAX_GRID = 2**31 - 1
 DIRECT_TERMS = 1 << 22
 #: ... and so do problems where kh*kw*(Ho*Wo)**2 <= DIRECT_RATIO * (H*W)**2 (large strides).
 DIRECT_RATIO = 2
+#: The out update's per-vector index divisions in 32 bits when the values fit (_div), for
+#: out wider than 16 bits (see _make_stream).
+FAST_DIV = True
 #: Terms of S whose loads the one-launch kernel issues together (its problems are
 #: latency-bound; 16 and 32 left toy's kernel at 12 us on the H200, 2026-11-30).
 DIRECT_UNROLL = 8
@@ -184,6 +187,18 @@ if _IMPORT_ERROR is None:
                 u -= 1
             u |= 1
         return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
+
+    @cuda.jit(device=True)
+    def _div(a, b):
+        """a // b for a >= 0, b > 0: an unsigned 32-bit division when both fit in 32 bits
+        (the GPU has no 64-bit divide: it is a long emulated sequence)."""
+        if (a | b) >> 32 == 0:
+            return numba.int64(numba.uint32(a) // numba.uint32(b))
+        return a // b
+
+    @cuda.jit(device=True)
+    def _div64(a, b):
+        return a // b
 
     if SIM:
         def _to_acc(v, zero):
@@ -755,6 +770,11 @@ if _IMPORT_ERROR is None:
                 """Element i of out + c * sv[j]."""
                 return _to_elem(optr, _to_acc(ov[i], zero) + c * sv[j])
         lds = _LDV[V, READONLY]
+        # 32-bit divisions for the segments' index arithmetic (H200, 2026-11-30, ABAB in one
+        # process): mid's update 62-63 -> 60 us, big-f32's (no segments) 3297 -> 3304;
+        # not for 16-bit out, whose kernel sits at the 64-register edge of 4 blocks a
+        # multiprocessor (big-f16's update 1689-1694 -> 1701-1706 us with them).
+        div = _div if FAST_DIV and OT.bitwidth > 16 else _div64
         PV, PCW = P * V, P * CH * NW  # constants: the size of a local array must be one
         WT = nbt.uint32 if RAW else OT
         EW = V // NW  # elements a word of ov
@@ -789,14 +809,14 @@ if _IMPORT_ERROR is None:
                             off = ob + f * V
                             si = sb + f * V
                         else:
-                            r = f // nvec
+                            r = div(f, nvec)
                             v = f - r * nvec
-                            i0 = r // Wo
+                            i0 = div(r, Wo)
                             off = ob + i0 * ost[2] + (r - i0 * Wo) * ost[3]
                             if V > 1:
                                 off += v * V
                             else:
-                                i1 = v // Wo
+                                i1 = div(v, Wo)
                                 off += i1 * ost[4] + (v - i1 * Wo) * ost[5]
                             si = sb + r * seg_len + v * V
                         oo[k] = off
