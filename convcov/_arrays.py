@@ -13,7 +13,7 @@ if ``torch`` is already in ``sys.modules``, so kinds are recognised by looking t
 from __future__ import annotations
 
 import sys
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
@@ -204,6 +204,13 @@ def zeros_like_kind(like, info_: ArrayInfo, shape: tuple, dtype: str):
         f"patch_moment: cannot allocate a result like {type(like).__module__}."
         f"{type(like).__qualname__}; pass numpy, torch, cupy or numba arrays"
     )
+
+
+def diag_strides(strides, full: bool) -> tuple:
+    """Element strides (b, channel-diagonal, x, y, x', y') of a full (7-d) layout's channel
+    diagonal a[b, c, x, y, c, x', y'], or a diagonal (6-d) layout's own strides."""
+    s = strides
+    return (s[0], s[1] + s[4], s[2], s[3], s[5], s[6]) if full else tuple(s)
 
 
 # Layout questions the GPU backends ask before they vectorise an access.

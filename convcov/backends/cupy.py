@@ -57,7 +57,7 @@ import struct
 import sys
 import threading
 
-from .._arrays import contiguous, current_stream, vector_width
+from .._arrays import contiguous, current_stream, diag_strides, vector_width
 from .._registry import Backend
 
 #: Dtype names -> (code used by the kernels' run-time typed loads, C++ storage type, bytes).
@@ -1080,13 +1080,8 @@ class CupyBackend(Backend):
         capacity = sms * threads_per_sm  # threads resident at once
 
         # Strides in elements, the channel diagonal folded into one stride.
-        s = oi.strides
-        so = (s[0], s[1] + s[4], s[2], s[3], s[5], s[6]) if p.full_out else tuple(s)
-        if gi is None:
-            sg = (0,) * 6
-        else:
-            s = gi.strides
-            sg = (s[0], s[1] + s[4], s[2], s[3], s[5], s[6]) if p.full_gamma else tuple(s)
+        so = diag_strides(oi.strides, p.full_out)
+        sg = (0,) * 6 if gi is None else diag_strides(gi.strides, p.full_gamma)
         sm = tuple(mi.strides)
         sc = 0 if ci is None or ci.shape == () else ci.strides[0]
         base = dict(
@@ -1186,11 +1181,7 @@ class CupyBackend(Backend):
         sms, threads_per_sm = self._sm_threads(dev)
         capacity = sms * threads_per_sm
         gg, gm, mi, si = a.grad_gamma_info, a.grad_mu_info, a.mu_info, a.grad_S_info
-        if gg is None:
-            sgg = (0,) * 6
-        else:
-            s = gg.strides
-            sgg = (s[0], s[1] + s[4], s[2], s[3], s[5], s[6]) if a.full_gamma else tuple(s)
+        sgg = (0,) * 6 if gg is None else diag_strides(gg.strides, a.full_gamma)
         base = dict(B=B, G=G, Cg=Cg, H=H, W=W, Ho=Ho, Wo=Wo, kh=a.kh, kw=a.kw, sh=a.sh,
                     sw=a.sw, ph=a.ph, pw=a.pw, dh=a.dh, dw=a.dw,
                     dt_gs=_DTYPES[si.dtype][0], dt_mu=_DTYPES[mi.dtype][0],

@@ -62,6 +62,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
+from .._arrays import diag_strides
 from .._registry import Backend
 
 # ---------------------------------------------------------------------------------------
@@ -1040,11 +1041,6 @@ _F32_MAX = float(np.finfo(np.float32).max)
 _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 
 
-def _diagonal(s: tuple) -> tuple:
-    """Element strides of the channel diagonal a[b, c, x, y, c, x', y'] of a full layout."""
-    return (s[0], s[1] + s[4], s[2], s[3], s[5], s[6])
-
-
 class NumbaBackend(Backend):
     name = "numba"
     device = "cpu"
@@ -1061,13 +1057,13 @@ class NumbaBackend(Backend):
             ci = p.c_info
             c_part = (ci.ptr, _CODE[ci.dtype], ci.strides[0] if ci.strides else 0)
         o, gi, m = p.out_info, p.gamma_info, p.mu_info
-        o_part = (o.ptr, _CODE[o.dtype]) + (_diagonal(o.strides) if p.full_out else o.strides)
+        o_part = (o.ptr, _CODE[o.dtype]) + diag_strides(o.strides, p.full_out)
         diag_bytes = p.B * p.Co * (p.Ho * p.Wo) ** 2 * _ITEMSIZE[o.dtype]
         if gi is None:
             g_part = (0, ABSENT, 0, 0, 0, 0, 0, 0)
         else:
             g_part = ((gi.ptr, _CODE[gi.dtype])
-                      + (_diagonal(gi.strides) if p.full_gamma else gi.strides))
+                      + diag_strides(gi.strides, p.full_gamma))
             diag_bytes += p.B * p.Ci * (p.H * p.W) ** 2 * _ITEMSIZE[gi.dtype]
         pf = (0, 0)
         if diag_bytes >= PREFETCH_FROM_BYTES:
@@ -1093,7 +1089,7 @@ class NumbaBackend(Backend):
             gg_part = (0, ABSENT, 0, 0, 0, 0, 0, 0)
         else:
             gg_part = ((gg.ptr, _CODE[gg.dtype])
-                       + (_diagonal(gg.strides) if a.full_gamma else tuple(gg.strides)))
+                       + diag_strides(gg.strides, a.full_gamma))
         gm_part = ((0, ABSENT, 0, 0, 0, 0) if a.grad_mu is None
                    else (gm.ptr, _CODE[gm.dtype], *gm.strides))
         plane = (a.H * a.W) ** 2

@@ -73,7 +73,7 @@ import threading
 
 import numpy as np
 
-from .._arrays import ITEMSIZE, contiguous, current_stream, vector_width
+from .._arrays import ITEMSIZE, contiguous, current_stream, diag_strides, vector_width
 from .._registry import Backend
 
 try:
@@ -1217,13 +1217,6 @@ def _pointer(arr, info):
     return info.ptr, 0, info.strides
 
 
-def _diag_strides(st, full):
-    """Strides (b, channel-diagonal, x0, y0, x1, y1) of a full (7-d) or diagonal layout."""
-    if full:
-        return (st[0], st[1] + st[4], st[2], st[3], st[5], st[6])
-    return tuple(st)
-
-
 def _driver():
     """cuda.bindings.driver (the cuda-python package Numba runs on), imported on first use."""
     global _drv
@@ -1354,7 +1347,7 @@ class _Launch:
     def __call__(self, stream, values):
         """Launch on ``stream`` with ``values`` for the _Slot arguments."""
         if SIM or not FAST_LAUNCH:
-            args = tuple(_materialise(a, values) for a in self.args)
+            args = tuple(values[a.i] if type(a) is _Slot else a for a in self.args)
             if SIM:
                 _kernel(self.name, self.elems, self.acc, self.V)[self.grid, self.block](*args)
             else:  # Numba's launch takes a cuda.core stream, the arguments unflattened
@@ -1388,14 +1381,6 @@ def _launch_once(name, elems, acc, dev_id, grid, block, stream, args):
     launch(stream, ())
 
 
-def _materialise(a, values):
-    if type(a) is _Slot:
-        return values[a.i]
-    if type(a) is tuple:
-        return tuple(values[v.i] if type(v) is _Slot else v for v in a)
-    return a
-
-
 class _Plan:
     """The launches of one call signature and the scratch they need: ``scratch``
     elements of the accumulation type, S first (padded to 256 bytes), T ``t_offset``
@@ -1427,14 +1412,6 @@ def _direct(p):
     return terms <= DIRECT_TERMS or sparse_t
 
 
-def _layout(arr, info):
-    """(base, element strides) of one array as the kernels take it: the pointer is
-    element [0, ..., 0] on a GPU; under the simulator it is the lowest address (_sim_pointer)."""
-    if SIM:
-        return _sim_pointer(arr)[1:]
-    return 0, info.strides
-
-
 def _plan(p, dev_id):
     """The launches of one call signature: kernels, launch sizes and every argument but
     the addresses (and the number c), which _run fills in per call (_Slot markers)."""
@@ -1442,20 +1419,20 @@ def _plan(p, dev_id):
     zero = np.dtype(acc).type(0) if SIM else 0.0
     lim = _device_limits(dev_id)
     out_t, mu_t = _PTR_TYPE[p.out_info.dtype], _PTR_TYPE[p.mu_info.dtype]
-    obase, ost = _layout(p.out, p.out_info)
-    ost = _diag_strides(ost, p.full_out)
-    mbase, mst = _layout(p.mu, p.mu_info)
+    _, obase, ost = _pointer(p.out, p.out_info)  # base and strides (addresses: per call)
+    ost = diag_strides(ost, p.full_out)
+    _, mbase, mst = _pointer(p.mu, p.mu_info)
     if p.gamma is None:  # never read: any valid address of a compiled type will do
         gamma_t, has_g, gbase, gst = mu_t, 0, mbase, (0,) * 6
     else:
         gamma_t, has_g = _PTR_TYPE[p.gamma_info.dtype], 1
-        gbase, gst = _layout(p.gamma, p.gamma_info)
-        gst = _diag_strides(gst, p.full_gamma)
+        _, gbase, gst = _pointer(p.gamma, p.gamma_info)
+        gst = diag_strides(gst, p.full_gamma)
     if p.c_info is None:  # a number: the pointer is a dummy that is never read
         c_t, has_c, cbase, cst = out_t, 0, 0, 0
     else:
         c_t, has_c = _PTR_TYPE[p.c_info.dtype], 1
-        cbase, cst = _layout(p.c, p.c_info)
+        _, cbase, cst = _pointer(p.c, p.c_info)
         cst = cst[0] if cst else 0  # a 0-d c broadcasts: stride 0
     geo = (p.B, p.G, p.Ci // p.G, p.Co // p.G, p.H, p.W, p.Ho, p.Wo, p.kh, p.kw,
            p.sh, p.sw, p.ph, p.pw, p.dh, p.dw)
@@ -1620,7 +1597,7 @@ class NumbaCudaBackend(Backend):
         if a.grad_gamma is not None:
             g_t = _PTR_TYPE[a.grad_gamma_info.dtype]
             gptr, gbase, gst = _pointer(a.grad_gamma, a.grad_gamma_info)
-            gst = _diag_strides(gst, a.full_gamma)
+            gst = diag_strides(gst, a.full_gamma)
             block = _block(HW)
             _launch_once("vjp_gamma", (s_t, g_t), acc, dev_id, lim.grid(a.B * G * HW, block),
                          block, stream, (sptr, sbase, sst, gptr, gbase, gst, geo, zero))
