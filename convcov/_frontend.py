@@ -331,11 +331,21 @@ def accumulate(out, gamma, mu, c, kernel_size, *, stride=1, padding=0, dilation=
     >>> convcov.accumulate(out, None, mu, 0.5, 3, backend="numpy")[0, 1, 0, 0, 1, 1, 1]
     np.float32(9.0)
     """
-    # Torch while torch.compile or a tracer looks: the operator, before anything reads data.
-    if (type(mu) is not _ndarray and (type(mu) not in _torch_plain or _is_compiling())
-            and _traced(mu)):
-        return _ops().accumulate(out, gamma, mu, c, kernel_size, stride, padding, dilation,
-                                 groups, backend)
+    fast_key = None
+    tm = type(mu)
+    if tm is not _ndarray:
+        plain = tm is _Tensor and not _is_compiling()
+        if not plain and _traced(mu):  # (_traced binds _Tensor at the first torch tensor)
+            # Torch while torch.compile or a tracer looks: the operator, before anything
+            # reads data.
+            return _ops().accumulate(out, gamma, mu, c, kernel_size, stride, padding,
+                                     dilation, groups, backend)
+        if plain or tm is _Tensor:
+            # A plain torch tensor: a call signature seen before runs its bound launcher.
+            fast_key = _torch_fast(out, gamma, mu, c, kernel_size, stride, padding, dilation,
+                                   groups, backend)
+            if fast_key is True:
+                return out
     p = normalise(out, gamma, mu, c, kernel_size, stride, padding, dilation, groups)
     b = _registry.select(backend, p.device[0], _dtypes(p))
     if p.kind == "torch":
@@ -348,7 +358,110 @@ def accumulate(out, gamma, mu, c, kernel_size, *, stride=1, padding=0, dilation=
         _increment_version(out)  # count the write, as torch's in-place ops do
     if not p.empty:
         b.accumulate(p)
+    if fast_key is not None and len(_bound) < 4096:
+        # The call went through: later calls with this signature may skip the above.
+        _bound[fast_key] = _bind(b, p)
     return out
+
+
+# ---------------------------------------------------------------------------------------
+# Torch: the fast path of repeated call signatures.
+#
+# A small call's time is mostly the host's (SPEC's toy and mid workloads on a GPU): the
+# validation above, though cached per signature, still describes each array (ArrayInfo),
+# builds a Problem, selects a backend and lets the backend find its launch plan. A
+# signature seen before (types, dtypes, devices, shapes, strides, address alignment, conv
+# parameters, backend request, CONVCOV_BACKEND and the registry's generation) skips all of that: it keeps a
+# _Bound (what validation derived, and the backend's launcher for it, Backend.bind), and a
+# call only reads the addresses, checks the aliasing and the autograd routing, counts the
+# write and launches. Torch tensors of the exact class only (no subclass, not while
+# torch.compile looks): that is where the host time matters, and their attributes are
+# cheap to read.
+
+_Tensor = None  # torch.Tensor, once a torch tensor was seen (_traced binds it)
+_environ_get = os.environ.get
+
+
+class _Bound:
+    """A validated call signature: its backend's launcher (Backend.bind) and the byte
+    spans of out, gamma, mu and c relative to their addresses (for the aliasing check)."""
+
+    __slots__ = ("run", "so", "sg", "sm", "sc")
+
+    def __init__(self, run, spans):
+        self.run = run
+        self.so, self.sg, self.sm, self.sc = spans
+
+
+_bound: dict = {}  # fast signature (_torch_fast) -> _Bound, or None: no fast path for it
+
+
+def _noop(*args):
+    pass
+
+
+def _bind(b: _registry.Backend, p: Problem):
+    """The fast path's entry for p's signature: None when the backend cannot bind."""
+    spans = tuple(None if i is None else _arrays.span(i)
+                  for i in (p.out_info, p.gamma_info, p.mu_info, p.c_info))
+    run = _noop if p.empty else b.bind(p)
+    return None if run is None else _Bound(run, spans)
+
+
+def _torch_fast(out, gamma, mu, c, kernel_size, stride, padding, dilation, groups, backend):
+    """Run a torch call whose signature is bound (True); else the signature's key, for
+    accumulate to bind after its full path, or None when the call cannot take this path.
+
+    The key holds everything normalise's checks and the backend's choice and launch plan
+    depend on, read straight from the tensors; anything unusual (a subclass, a c that is
+    neither a Python number nor a tensor, conv parameters that are not plain ints, a
+    backend list, autograd recording, aliasing) takes the full path, which validates,
+    routes and raises exactly as before.
+    """
+    T = _Tensor
+    if type(out) is not T:
+        return None
+    tc = type(c)
+    if tc is float or tc is int:
+        c_key, c_ptr, c_value = tc, 0, float(c)
+    elif tc is T:
+        c_ptr = c.data_ptr()
+        c_key, c_value = (c.dtype, c.shape, c.stride(), c.device, c_ptr & 15), 0.0
+    else:
+        return None
+    if gamma is None:
+        g_key, g_ptr = None, 0
+    elif type(gamma) is T:
+        g_ptr = gamma.data_ptr()
+        g_key = (gamma.dtype, gamma.shape, gamma.stride(), gamma.device, g_ptr & 15)
+    else:
+        return None
+    if not (type(kernel_size) is int or _plain_param(kernel_size)) or not (
+            type(stride) is int or _plain_param(stride)) or not (
+            type(padding) is int or _plain_param(padding)) or not (
+            type(dilation) is int or _plain_param(dilation)) or type(groups) is not int or not (
+            backend is None or type(backend) is str):
+        return None
+    o_ptr, m_ptr = out.data_ptr(), mu.data_ptr()
+    key = (kernel_size, stride, padding, dilation, groups, backend,
+           _environ_get(_registry.ENV_VAR), _registry.generation,
+           out.dtype, out.shape, out.stride(), out.device, o_ptr & 15, g_key,
+           mu.dtype, mu.shape, mu.stride(), mu.device, m_ptr & 15, c_key)
+    e = _bound.get(key, key)
+    if e is key:  # not seen: the full path, then bind
+        return key
+    if e is None or (_grad_enabled() and (
+            out.requires_grad or mu.requires_grad or (g_key is not None and gamma.requires_grad)
+            or (tc is T and c.requires_grad))):
+        return None
+    so = e.so
+    if so is not None:  # out must alias no input (the full path raises the error)
+        for ptr, s in ((g_ptr, e.sg), (m_ptr, e.sm), (c_ptr, e.sc)):
+            if s is not None and o_ptr + so[0] < ptr + s[1] and ptr + s[0] < o_ptr + so[1]:
+                return None
+    _increment_version(out)  # count the write, as torch's in-place ops do
+    e.run(out, gamma, mu, c, o_ptr, g_ptr, m_ptr, c_ptr, c_value)
+    return True
 
 
 def accumulate_unrouted(out, gamma, mu, c, kernel_size, stride, padding, dilation, groups,
@@ -448,7 +561,7 @@ def _traced(mu) -> bool:
     The first torch tensor binds the torch functions used on the hot path, so that later
     calls pay one type check and ``_is_compiling()`` (see ``accumulate``).
     """
-    global _torch_plain, _is_compiling, _increment_version, _grad_enabled
+    global _torch_plain, _is_compiling, _increment_version, _grad_enabled, _Tensor
     torch = _modules.get("torch")
     if torch is None or not isinstance(mu, torch.Tensor):
         return False
@@ -457,6 +570,7 @@ def _traced(mu) -> bool:
         _increment_version = torch.autograd.graph.increment_version
         _grad_enabled = torch.is_grad_enabled
         _torch_plain = (torch.Tensor, torch.nn.Parameter)
+        _Tensor = torch.Tensor
     return type(mu) not in _torch_plain or _is_compiling()
 
 

@@ -70,6 +70,18 @@ class Backend:
     def accumulate(self, problem) -> None:  # pragma: no cover - interface
         raise NotImplementedError
 
+    def bind(self, problem):
+        """A launcher for later calls with ``problem``'s signature, or None (the default).
+
+        The front end's fast path for torch tensors (``_frontend._torch_fast``) calls,
+        for a signature that passed validation and ran once, ``run(out, gamma, mu, c,
+        out_ptr, gamma_ptr, mu_ptr, c_ptr, c_value)``: the user's objects, their addresses
+        (0 for an absent gamma or a c that is a number) and ``c_value``, c as a float when
+        it is a number. It must do what ``accumulate`` does for a Problem that differs
+        from ``problem`` only in those.
+        """
+        return None
+
     def patch_moment_vjp(self, adjoint) -> None:
         """The backward of ``patch_moment`` (optional; docs/autograd.md has the contract).
 
@@ -110,6 +122,16 @@ _entry_points_loaded = False
 _BUILTIN_DEVICE = {"numpy": "cpu", "numba": "cpu", "numba_cuda": "cuda", "cupy": "cuda"}
 
 
+#: Bumped whenever the set of backends changes: the front end's fast path keys on it.
+generation = 0
+
+
+def _changed() -> None:
+    global generation
+    _choices.clear()
+    generation += 1
+
+
 def register(backend: Backend) -> None:
     """Add (or replace) a backend under ``backend.name``."""
     if not isinstance(backend, Backend):
@@ -118,13 +140,13 @@ def register(backend: Backend) -> None:
         raise ValueError(f"register: backend.device must be 'cpu' or 'cuda'; got {backend.device!r}")
     with _lock:
         _extra[backend.name] = backend
-        _choices.clear()
+        _changed()
 
 
 def unregister(name: str) -> None:
     with _lock:
         _extra.pop(name, None)
-        _choices.clear()
+        _changed()
 
 
 def _load_entry_points() -> None:
@@ -143,7 +165,7 @@ def _load_entry_points() -> None:
             backend = _Unloadable(ep.name, "cpu", f"entry point failed to load: {exc!r}")
         _extra.setdefault(ep.name, backend)
     _entry_points_loaded = True
-    _choices.clear()
+    _changed()
 
 
 def names() -> list[str]:

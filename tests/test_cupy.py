@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import convcov
-from convcov import _registry
+from convcov import _frontend, _registry
 
 from kinds import (at_once, check_absent_terms_in_the_backward, make, to_f64, tolerance,
                    torch_cuda)
@@ -65,6 +65,7 @@ def path(request, monkeypatch):
     if request.param == "direct-unsplit":
         monkeypatch.setattr(BACKEND, "_sm_threads", lambda dev: (1, 256))
     BACKEND._plans.clear()  # plans remember the path chosen
+    monkeypatch.setattr(_frontend, "_bound", {})  # ... and so do the bound launchers
     yield request.param
     BACKEND._plans.clear()
 

@@ -16,7 +16,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import convcov
-from convcov import _registry
+from convcov import _frontend, _registry
 
 from kinds import SIM, kinds_for, make, to_f64, tolerance
 
@@ -117,6 +117,22 @@ def run_case(name: str, data, small: bool) -> None:
             off[:, c0, :, :, c0] = False
         np.testing.assert_array_equal(got[off], out0[off])
 
+    if kind.startswith("torch"):
+        # The same call again, out reset: a torch call signature seen before takes the
+        # front end's fast path (the backend's bound launcher, Backend.bind), which must
+        # give the same bits.
+        import torch
+
+        out.copy_(torch.from_numpy(out0))
+        taken = []
+        fast = _frontend._torch_fast
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(_frontend, "_torch_fast", lambda *a: taken.append(fast(*a)) or taken[-1])
+            assert convcov.accumulate(out, gamma, mu, c, pr["k"], backend=name, **kw_args) is out
+        np.testing.assert_array_equal(to_f64(out), got)
+        if type(backend).bind is not _registry.Backend.bind:
+            assert taken == [True], f"the repeated call missed the fast path: {taken}"
+
 
 @pytest.mark.parametrize("name", NAMES)
 @given(data=st.data())
@@ -142,4 +158,5 @@ def test_numba_cuda_simulator_matches_reference(path, data):
         mp.setattr(mod, "DIRECT_RATIO", force)
         mp.setattr(mod, "SBOX_WALK", path != "three-box")
         mp.setattr(mod, "_plans", {})  # plans remember the path chosen
+        mp.setattr(_frontend, "_bound", {})  # ... and so do the bound launchers
         run_case("numba_cuda", data, small=True)

@@ -1271,39 +1271,70 @@ class CupyBackend(Backend):
 
     def accumulate(self, p) -> None:
         cp, dev, prev = self._enter(p.device)
-        oi, gi, mi, ci = p.out_info, p.gamma_info, p.mu_info, p.c_info
         try:
-            key = (dev, p.layout_key())  # everything but the addresses
-            plan = self._plans.get(key)
-            if plan is None:
-                plan = self._plan(p, dev)
-                if len(self._plans) > 512:  # many shapes: start over rather than grow
-                    self._plans.clear()
-                self._plans[key] = plan
-            stream = current_stream(p.kind, dev)
-            buf, s_ptr = self._scratch(p.kind, p.out, plan, dev, stream) if plan.scratch else (
-                None, 0)
-            t_ptr = s_ptr + plan.t_offset
-            c_bits = _INT64.unpack(_DOUBLE.pack(p.c_value))[0] if ci is None else 0
-            launch_kernel = cp.cuda.driver.launchKernel
-            for ln in plan.launches:
-                args = ln.args[:]  # a copy of the Args template; the addresses go in here
-                args[0] = oi.ptr
-                if gi is not None:
-                    args[1] = gi.ptr
-                args[2] = mi.ptr
-                if ci is not None:
-                    args[3] = ci.ptr
-                args[4] = t_ptr
-                args[5] = s_ptr
-                args[-1] = c_bits
-                params = array.array("Q", (args.buffer_info()[0],))  # void*[1] -> Args
-                launch_kernel(ln.func, ln.grid, 1, 1, _THREADS, 1, 1, 0, stream,
-                              params.buffer_info()[0], 0)
-            del buf  # back to its stream-ordered pool: reuse is ordered after our kernels
+            self._launch(self._plan_of(p, dev), p.kind, p.out, dev, p.out_info.ptr,
+                         0 if p.gamma_info is None else p.gamma_info.ptr, p.mu_info.ptr,
+                         0 if p.c_info is None else p.c_info.ptr, p.c_value)
         finally:
             if prev is not None:
                 cp.cuda.runtime.setDevice(prev)
+
+    def _plan_of(self, p, dev):
+        key = (dev, p.layout_key())  # everything but the addresses
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plan(p, dev)
+            if len(self._plans) > 512:  # many shapes: start over rather than grow
+                self._plans.clear()
+            self._plans[key] = plan
+        return plan
+
+    def _launch(self, plan, kind, like, dev, optr, gptr, mptr, cptr, c_value):
+        """Launch a plan on ``dev`` (current) on the arrays' library's current stream:
+        the addresses of out, gamma, mu and c (0 for an absent gamma, which the kernels
+        test, and for a number c, which they then take from c_value)."""
+        stream = current_stream(kind, dev)
+        buf, s_ptr = self._scratch(kind, like, plan, dev, stream) if plan.scratch else (None, 0)
+        t_ptr = s_ptr + plan.t_offset
+        c_bits = 0 if cptr else _INT64.unpack(_DOUBLE.pack(c_value))[0]
+        launch_kernel = self._cp.cuda.driver.launchKernel
+        for ln in plan.launches:
+            args = ln.args[:]  # a copy of the Args template; the addresses go in here
+            args[0] = optr
+            args[1] = gptr
+            args[2] = mptr
+            args[3] = cptr
+            args[4] = t_ptr
+            args[5] = s_ptr
+            args[-1] = c_bits
+            params = array.array("Q", (args.buffer_info()[0],))  # void*[1] -> Args
+            launch_kernel(ln.func, ln.grid, 1, 1, _THREADS, 1, 1, 0, stream,
+                          params.buffer_info()[0], 0)
+        del buf  # back to its stream-ordered pool: reuse is ordered after our kernels
+
+    def bind(self, p):
+        """The launcher of p's signature for the front end's fast path (Backend.bind): the
+        plan is found once; a call makes the device current, reads the stream, takes
+        scratch and launches."""
+        if p.device[1] is None:
+            return None
+        cp, dev, prev = self._enter(p.device)
+        try:
+            plan = self._plan_of(p, dev)  # compiled and loaded on the device already
+        finally:
+            if prev is not None:
+                cp.cuda.runtime.setDevice(prev)
+        device, kind, launch, enter = p.device, p.kind, self._launch, self._enter
+
+        def run(out, gamma, mu, c, optr, gptr, mptr, cptr, c_value):
+            cp, dev, prev = enter(device)
+            try:
+                launch(plan, kind, out, dev, optr, gptr, mptr, cptr, c_value)
+            finally:
+                if prev is not None:
+                    cp.cuda.runtime.setDevice(prev)
+
+        return run
 
     def patch_moment_vjp(self, a) -> None:
         """The backward (docs/autograd.md's contract, docs/cupy.md "Backward"): overwrite

@@ -1041,44 +1041,83 @@ _F32_MAX = float(np.finfo(np.float32).max)
 _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 
 
+_O_ADDR, _G_ADDR, _M_ADDR, _C_ADDR, _PAIRS = (
+    _PRM.index(n) for n in ("o_addr", "g_addr", "m_addr", "c_addr", "pairs"))
+
+
+def _params(p, acc=None):
+    """(the kernel's parameters for p's signature, addresses 0; the accumulation type;
+    the size of one (b, g) plane of its buffer)."""
+    if acc is None:
+        acc = np.float64 if p.acc == "float64" else np.float32
+    if p.c is None:
+        c_part = (0, ABSENT, 0)
+    else:
+        ci = p.c_info
+        c_part = (0, _CODE[ci.dtype], ci.strides[0] if ci.strides else 0)
+    o, gi, m = p.out_info, p.gamma_info, p.mu_info
+    o_part = (0, _CODE[o.dtype]) + diag_strides(o.strides, p.full_out)
+    diag_bytes = p.B * p.Co * (p.Ho * p.Wo) ** 2 * _ITEMSIZE[o.dtype]
+    if gi is None:
+        g_part = (0, ABSENT, 0, 0, 0, 0, 0, 0)
+    else:
+        g_part = (0, _CODE[gi.dtype]) + diag_strides(gi.strides, p.full_gamma)
+        diag_bytes += p.B * p.Ci * (p.H * p.W) ** 2 * _ITEMSIZE[gi.dtype]
+    pf = (0, 0)
+    if diag_bytes >= PREFETCH_FROM_BYTES:
+        g_plane = p.H * p.W * (2 if gi is None else _ITEMSIZE[gi.dtype])
+        pf = (max(1, PREFETCH_BYTES // g_plane),
+              max(1, PREFETCH_BYTES // (p.Ho * p.Wo * _ITEMSIZE[o.dtype])))
+    plane = (p.H * p.W) ** 2
+    acc_size = 4 if acc is np.float32 else 8
+    pairs = max(1, min(p.B * p.G, CHUNK_BYTES // max(plane * acc_size, 1)))
+    prm = np.array((p.B, p.Ci, p.Co, p.G, p.H, p.W, p.Ho, p.Wo, p.kh, p.kw, p.sh, p.sw,
+                    p.ph, p.pw, p.dh, p.dw, pairs, *o_part, *g_part, 0,
+                    _CODE[m.dtype], *m.strides, *c_part, *pf), np.int64)
+    assert len(prm) == len(_PRM)
+    return prm, acc, plane
+
+
+def _accumulate_at(prms, optr, gptr, mptr, cptr, c_value):
+    """One call: a copy of the signature's parameters (_params) with the call's addresses
+    (0 for an absent gamma or a number c) and c_value, the number c."""
+    prm, acc, plane = prms
+    prm = prm.copy()
+    prm[_O_ADDR], prm[_G_ADDR], prm[_M_ADDR], prm[_C_ADDR] = optr, gptr, mptr, cptr
+    _run(prm, acc(c_value), np.empty(prm[_PAIRS] * plane, acc))
+
+
+def _too_big(prms, cptr, c_value) -> bool:
+    """A finite number c beyond float32's range: summed in float32 it would become Inf
+    (and Inf*0 NaN), so the call sums in float64."""
+    return cptr == 0 and prms[1] is np.float32 and abs(c_value) > _F32_MAX and c_value == c_value
+
+
 class NumbaBackend(Backend):
     name = "numba"
     device = "cpu"
     dtypes = frozenset({"float16", "bfloat16", "float32", "float64"})
 
     def accumulate(self, p) -> None:
-        acc = np.float64 if p.acc == "float64" else np.float32
-        c_value = p.c_value
-        if p.c is None:
-            c_part = (0, ABSENT, 0)
-            if acc is np.float32 and abs(c_value) > _F32_MAX and c_value == c_value:
-                acc = np.float64  # a finite c beyond float32 would become Inf (and Inf*0 NaN)
-        else:
-            ci = p.c_info
-            c_part = (ci.ptr, _CODE[ci.dtype], ci.strides[0] if ci.strides else 0)
-        o, gi, m = p.out_info, p.gamma_info, p.mu_info
-        o_part = (o.ptr, _CODE[o.dtype]) + diag_strides(o.strides, p.full_out)
-        diag_bytes = p.B * p.Co * (p.Ho * p.Wo) ** 2 * _ITEMSIZE[o.dtype]
-        if gi is None:
-            g_part = (0, ABSENT, 0, 0, 0, 0, 0, 0)
-        else:
-            g_part = ((gi.ptr, _CODE[gi.dtype])
-                      + diag_strides(gi.strides, p.full_gamma))
-            diag_bytes += p.B * p.Ci * (p.H * p.W) ** 2 * _ITEMSIZE[gi.dtype]
-        pf = (0, 0)
-        if diag_bytes >= PREFETCH_FROM_BYTES:
-            g_plane = p.H * p.W * (2 if gi is None else _ITEMSIZE[gi.dtype])
-            pf = (max(1, PREFETCH_BYTES // g_plane),
-                  max(1, PREFETCH_BYTES // (p.Ho * p.Wo * _ITEMSIZE[o.dtype])))
-        plane = (p.H * p.W) ** 2
-        acc_size = 4 if acc is np.float32 else 8
-        pairs = max(1, min(p.B * p.G, CHUNK_BYTES // max(plane * acc_size, 1)))
-        prm = np.array((p.B, p.Ci, p.Co, p.G, p.H, p.W, p.Ho, p.Wo, p.kh, p.kw, p.sh, p.sw,
-                        p.ph, p.pw, p.dh, p.dw, pairs, *o_part, *g_part, m.ptr,
-                        _CODE[m.dtype], *m.strides, *c_part, *pf), np.int64)
-        assert len(prm) == len(_PRM)
-        _run(prm, acc(c_value), np.empty(pairs * plane, acc))
+        cptr = 0 if p.c_info is None else p.c_info.ptr
+        prms = _params(p)
+        if _too_big(prms, cptr, p.c_value):
+            prms = _params(p, np.float64)
+        _accumulate_at(prms, p.out_info.ptr, 0 if p.gamma_info is None else p.gamma_info.ptr,
+                       p.mu_info.ptr, cptr, p.c_value)
 
+    def bind(self, p):
+        """The launcher of p's signature for the front end's fast path (Backend.bind):
+        the kernel's parameters are derived once; a call puts its addresses in. (It must
+        not keep p, which holds the first call's arrays.)"""
+        prms = _params(p)
+        prms64 = _params(p, np.float64) if prms[1] is np.float32 else prms
+
+        def run(out, gamma, mu, c, optr, gptr, mptr, cptr, c_value):
+            _accumulate_at(prms64 if _too_big(prms, cptr, c_value) else prms,
+                           optr, gptr, mptr, cptr, c_value)
+
+        return run
 
     def patch_moment_vjp(self, a) -> None:
         # Sums in float64 whatever the dtypes ("acc or wider"): one compiled kernel, and

@@ -67,13 +67,22 @@ import numba.cuda before the backend is used (``import convcov`` stays GPU-free)
 from __future__ import annotations
 
 import array
+import dataclasses
+import functools
 import struct
 import sys
 import threading
 
 import numpy as np
 
-from .._arrays import ITEMSIZE, contiguous, current_stream, diag_strides, vector_width
+from .._arrays import (
+    ITEMSIZE,
+    contiguous,
+    current_stream,
+    diag_strides,
+    host_view,
+    vector_width,
+)
 from .._registry import Backend
 
 try:
@@ -1239,17 +1248,17 @@ def _driver_stream(handle):
     return st
 
 
-def _workspace(p, n, acc):
-    """Scratch array for T of ``n`` elements, from the arrays' own library (stream-ordered
-    caching allocators for torch and CuPy), and its device address."""
+def _workspace(kind, dev, n, acc):
+    """Scratch array for S and T of ``n`` elements on device ``dev``, from the arrays' own
+    library (stream-ordered caching allocators for torch and CuPy), and its device address."""
     n = max(n, 1)
-    if p.kind == "torch":
+    if kind == "torch":
         torch = sys.modules["torch"]
-        t = torch.empty(n, dtype=getattr(torch, acc), device=p.out.device)
+        t = torch.empty(n, dtype=getattr(torch, acc), device=dev)
         return t, t.data_ptr()
-    if p.kind == "cupy":
+    if kind == "cupy":
         cupy = sys.modules["cupy"]
-        with cupy.cuda.Device(p.device[1]):
+        with cupy.cuda.Device(dev):
             t = cupy.empty(n, dtype=acc)
         return t, t.data.ptr
     t = cuda.device_array(n, dtype=acc)
@@ -1497,6 +1506,24 @@ def _plan(p, dev_id):
     return plan
 
 
+def _launch_plan(plan, kind, where, dev_id, acc, optr, gptr, mptr, cptr, c_value):
+    """Launch a plan on the current stream of the arrays' library on ``dev_id`` (its
+    context current): addresses of out, gamma, mu and c (0 for an absent gamma or a
+    number c), and c_value, the number c. Scratch from the library, on ``where``."""
+    stream = _driver_stream(current_stream(kind, dev_id))
+    buf, sptr, tptr = None, 0, 0
+    if plan.scratch:
+        buf, sptr = _workspace(kind, where, plan.scratch, acc)
+        tptr = sptr + plan.t_offset
+    # the number c as the launch path takes it: packed bits, or a float for Numba's
+    cval = _bits(float(c_value), acc) if FAST_LAUNCH else float(c_value)
+    # An absent gamma or a number c: any valid address (never read) of the right kind.
+    values = (optr, gptr or mptr, mptr, cptr or optr, sptr, tptr, cval)
+    for launch in plan.launches:
+        launch(stream, values)
+    del buf  # freed to the library's stream-ordered pool after the launches
+
+
 class NumbaCudaBackend(Backend):
     name = "numba_cuda"
     device = "cpu" if SIM else "cuda"
@@ -1542,7 +1569,8 @@ class NumbaCudaBackend(Backend):
     def accumulate(self, p) -> None:
         self._on_device(self._run, p)
 
-    def _run(self, p, dev_id):
+    @staticmethod
+    def _plan_of(p, dev_id):
         key = (dev_id, p.layout_key())  # everything but the addresses
         plan = _plans.get(key)
         if plan is None:
@@ -1550,33 +1578,70 @@ class NumbaCudaBackend(Backend):
             if len(_plans) > 512:  # many shapes: start over rather than grow
                 _plans.clear()
             _plans[key] = plan
-        acc = p.acc
+        return plan
+
+    def _run(self, p, dev_id):
+        plan = self._plan_of(p, dev_id)
         if SIM:
+            acc = p.acc
             optr, mptr = _sim_pointer(p.out)[0], _sim_pointer(p.mu)[0]
             gptr = (_dummy(mptr, _PTR_TYPE[p.mu_info.dtype]) if p.gamma is None
                     else _sim_pointer(p.gamma)[0])
             cptr = (_dummy(optr, _PTR_TYPE[p.out_info.dtype]) if p.c is None
                     else _sim_pointer(p.c)[0])
-            cval, stream = np.dtype(acc).type(p.c_value), None
-        else:
-            optr, mptr = p.out_info.ptr, p.mu_info.ptr
-            gptr = mptr if p.gamma is None else p.gamma_info.ptr  # never read when None
-            cptr = optr if p.c is None else p.c_info.ptr  # never read when c is a number
-            # the number c as its launch path takes it: packed bits, or a float for Numba's
-            cval = _bits(float(p.c_value), acc) if FAST_LAUNCH else float(p.c_value)
-            stream = _driver_stream(current_stream(p.kind, p.device[1]))
-        buf, sptr, tptr = None, 0, 0
-        if plan.scratch:
-            if SIM:
+            buf, sptr, tptr = None, 0, 0
+            if plan.scratch:
                 buf = np.empty(plan.scratch, acc)
                 sptr, tptr = buf, buf[plan.t_offset // ITEMSIZE[acc]:]
-            else:
-                buf, sptr = _workspace(p, plan.scratch, acc)
-                tptr = sptr + plan.t_offset
-        values = (optr, gptr, mptr, cptr, sptr, tptr, cval)
-        for launch in plan.launches:
-            launch(stream, values)
-        del buf  # freed to the library's stream-ordered pool after the launches
+            values = (optr, gptr, mptr, cptr, sptr, tptr, np.dtype(acc).type(p.c_value))
+            for launch in plan.launches:
+                launch(None, values)
+            return
+        _launch_plan(plan, p.kind, p.out.device if p.kind == "torch" else p.device[1],
+                     p.device[1], p.acc, p.out_info.ptr,
+                     0 if p.gamma is None else p.gamma_info.ptr, p.mu_info.ptr,
+                     0 if p.c is None else p.c_info.ptr, p.c_value)
+
+    def bind(self, p):
+        """The launcher of p's signature for the front end's fast path (Backend.bind): the
+        plan is found once; a call reads the stream, takes scratch and launches."""
+        if SIM:  # the simulator takes numpy views: a Problem like p with the call's arrays
+            # (the launcher keeps no array of this call alive)
+            return functools.partial(self._run_sim_like, dataclasses.replace(
+                p, out=None, gamma=None, mu=None, c=None))
+        if p.device[1] is None:
+            return None
+        dev_id, kind, acc = p.device[1], p.kind, p.acc
+        holder = {}
+
+        def find_plan(call, d):
+            holder["plan"] = self._plan_of(call, d)
+
+        self._on_device(find_plan, p)  # compiles and loads on the device, if not yet
+        plan = holder["plan"]
+        where = p.out.device if kind == "torch" else dev_id  # where the scratch goes
+
+        def run(out, gamma, mu, c, optr, gptr, mptr, cptr, c_value):
+            ctx = _ready.get(dev_id)
+            if ctx is not None and ctx == _current_context():
+                _launch_plan(plan, kind, where, dev_id, acc, optr, gptr, mptr, cptr, c_value)
+                return
+            with cuda.gpus[dev_id]:
+                _launch_plan(plan, kind, where, dev_id, acc, optr, gptr, mptr, cptr, c_value)
+                _ready[dev_id] = _current_context()
+
+        return run
+
+    def _run_sim_like(self, p, out, gamma, mu, c, optr, gptr, mptr, cptr, c_value):
+        c_view = None
+        if cptr:
+            c_view = host_view(c, p.c_info.dtype)
+            if c_view.ndim == 0:
+                c_view = np.broadcast_to(c_view, (p.Co,))
+        self._run(dataclasses.replace(
+            p, out=host_view(out, p.out_info.dtype), mu=host_view(mu, p.mu_info.dtype),
+            gamma=None if gamma is None else host_view(gamma, p.gamma_info.dtype),
+            c=c_view, c_value=c_value), None)
 
     def patch_moment_vjp(self, a) -> None:
         """The backward (docs/autograd.md, docs/numba_cuda.md "Backward"): one launch for

@@ -1,0 +1,207 @@
+"""The front end's fast path for torch tensors (convcov/_frontend.py, ``_torch_fast``): a
+call signature seen before runs its backend's bound launcher (``Backend.bind``) instead of
+the full validation. Everything the full path does must still hold on it: each call's own
+addresses, the aliasing check, autograd routing, the version counter, CONVCOV_BACKEND and
+newly registered backends read per call, and threads. Torch CPU tensors with the numba
+backend (which binds) here; tests/test_cupy.py and tests/test_numba_cuda.py repeat calls
+on the GPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import convcov
+from convcov import Backend, _frontend, _registry
+
+from kinds import HAS_TORCH, at_once
+
+pytestmark = pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed")
+
+B, Ci, Co, H, K = 2, 3, 2, 6, 3
+HO = H - K + 1
+
+
+def tensors(seed=0, c_tensor=True):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    out = torch.randn(B, Co, HO, HO, Co, HO, HO, generator=g)
+    gamma = torch.rand(B, Ci, H, H, H, H, generator=g)
+    mu = torch.randn(B, Ci, H, H, generator=g)
+    c = torch.rand(Co, generator=g) + 0.5 if c_tensor else 0.75
+    return out, gamma, mu, c
+
+
+def reference(out, gamma, mu, c):
+    """What the call must give: the numpy backend on float64 copies."""
+    c64 = c if isinstance(c, float) else c.double().numpy()
+    return convcov.accumulate(out.double().numpy(), gamma.double().numpy(),
+                              mu.double().numpy(), c64, K, backend="numpy")
+
+
+class Spy:
+    """Records what each _torch_fast call returned (True: the bound launcher ran)."""
+
+    def __init__(self, monkeypatch):
+        self.taken, fast = [], _frontend._torch_fast
+
+        def spy(*args):
+            self.taken.append(fast(*args))
+            return self.taken[-1]
+
+        monkeypatch.setattr(_frontend, "_torch_fast", spy)
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    monkeypatch.delenv("CONVCOV_BACKEND", raising=False)
+    monkeypatch.setattr(_frontend, "_bound", {})
+    return Spy(monkeypatch)
+
+
+@pytest.mark.parametrize("c_tensor", [True, False])
+def test_each_call_uses_its_own_arrays(spy, c_tensor):
+    """Fresh tensors of a bound signature: each call reads and writes its own memory."""
+    calls = [tensors(seed, c_tensor) for seed in range(4)]
+    want = [reference(*a) for a in calls]
+    for a, w in zip(calls, want):
+        convcov.accumulate(*a, K, backend="numba")
+        np.testing.assert_allclose(a[0].double().numpy(), w, rtol=1e-5, atol=1e-5)
+    assert type(spy.taken[0]) is tuple  # the key: the full path ran, then bound it
+    assert spy.taken[1:] == [True, True, True]
+
+
+def test_version_counter_counts_each_call(spy):
+    out, gamma, mu, c = tensors()
+    v = out._version
+    for n in range(1, 4):
+        convcov.accumulate(out, gamma, mu, c, K, backend="numba")
+        assert out._version == v + n
+    assert spy.taken[-1] is True
+
+
+def test_aliasing_is_checked_on_every_call(spy):
+    """A signature bound with separate arrays, then called with out overlapping mu (same
+    shapes, strides and alignment): ValueError, out unchanged."""
+    import torch
+
+    n_out, n_mu = B * Co * HO**4 * Co, B * Ci * H * H
+    buf = torch.zeros(n_out + n_mu + 8)
+    out = buf[:n_out].view(B, Co, HO, HO, Co, HO, HO)
+    gamma, c = tensors()[1], 1.0
+    mu = buf[n_out + 8:].view(B, Ci, H, H)
+    mu.normal_()
+    for _ in range(3):
+        convcov.accumulate(out, gamma, mu, c, K, backend="numba")
+    assert spy.taken[-1] is True
+    mu_alias = buf[n_out - 8:n_out - 8 + n_mu].view(B, Ci, H, H)
+    before = out.clone()
+    with pytest.raises(ValueError, match="out: shares memory with mu"):
+        convcov.accumulate(out, gamma, mu_alias, c, K, backend="numba")
+    assert torch.equal(out, before)
+
+
+def test_autograd_still_routed(spy):
+    """A bound signature whose tensors now require grad goes through the operator, which
+    gives the gradients."""
+    import torch
+
+    out, gamma, mu, c = tensors()
+    for _ in range(3):
+        convcov.accumulate(out.clone(), gamma, mu, c, K, backend="numba")
+    assert spy.taken[-1] is True
+    mu = mu.clone().requires_grad_()
+    res = convcov.accumulate(out.clone(), gamma, mu, c, K, backend="numba")
+    assert res.requires_grad and spy.taken[-1] is None
+    res.sum().backward()
+    assert mu.grad is not None and torch.isfinite(mu.grad).all() and mu.grad.abs().sum() > 0
+
+
+class Counting(Backend):
+    """Counts its calls, full path (accumulate) and bound (bind's launcher) apart."""
+
+    device = "cpu"
+    dtypes = frozenset({"float32", "float64"})
+
+    def __init__(self, name):
+        self.name, self.full, self.bound = name, 0, 0
+
+    def accumulate(self, problem):
+        self.full += 1
+
+    def bind(self, problem):
+        def run(*args):
+            self.bound += 1
+
+        return run
+
+
+@pytest.fixture
+def counting():
+    made = [Counting("count_a"), Counting("count_b")]
+    for b in made:
+        convcov.register_backend(b)
+    yield made
+    for b in made:
+        _registry.unregister(b.name)
+
+
+def test_environment_and_registry_read_per_call(spy, counting, monkeypatch):
+    a, b = counting
+    args = tensors()
+    monkeypatch.setenv("CONVCOV_BACKEND", "count_a")
+    for _ in range(3):
+        convcov.accumulate(*args, K)
+    assert (a.full, a.bound) == (1, 2)  # the full path (which binds), then the launcher
+    monkeypatch.setenv("CONVCOV_BACKEND", "count_b")
+    convcov.accumulate(*args, K)
+    assert (b.full, b.bound, a.bound) == (1, 0, 2)
+    monkeypatch.setenv("CONVCOV_BACKEND", "count_a")
+    convcov.accumulate(*args, K)
+    assert (a.full, a.bound) == (1, 3)
+    # A backend registered under the name in use replaces it at once.
+    c = Counting("count_a")
+    convcov.register_backend(c)
+    convcov.accumulate(*args, K)
+    assert (c.full, a.full, a.bound) == (1, 1, 3)
+
+
+def test_unusual_arguments_take_the_full_path(spy, counting):
+    """Conv parameters given as lists, a backend list, a numpy c: the full path, each time."""
+    a = counting[0]
+    out, gamma, mu, _ = tensors()
+    for _ in range(3):
+        convcov.accumulate(out, gamma, mu, 1.0, [K, K], backend="count_a")
+        convcov.accumulate(out, gamma, mu, 1.0, K, backend=["count_a"])
+        convcov.accumulate(out, gamma, mu, np.float64(1.0), K, backend="count_a")
+    assert a.bound == 0 and a.full == 9 and set(spy.taken) == {None}  # never a key
+
+
+def test_threads_on_a_bound_signature(spy):
+    """Eight threads, each its own tensors of one bound signature, calling at once."""
+    calls = [tensors(seed) for seed in range(8)]
+    want = [reference(*a) for a in calls]
+    convcov.accumulate(*tensors(99), K, backend="numba")  # binds the signature
+
+    def work(i, start):
+        start()
+        convcov.accumulate(*calls[i], K, backend="numba")
+
+    at_once(8, work)
+    for a, w in zip(calls, want):
+        np.testing.assert_allclose(a[0].double().numpy(), w, rtol=1e-5, atol=1e-5)
+    assert spy.taken[1:] == [True] * 8
+
+
+def test_number_c_beyond_float32_on_the_fast_path(spy):
+    """A bound float32 signature called with a number c that float32 cannot hold sums in
+    float64 (as the full path does): S = 0 gives zeros, not NaN from Inf * 0."""
+    import torch
+
+    out = torch.zeros(1, 2, 2, 2, 2, 2, 2)
+    mu = torch.zeros(1, 1, 4, 4)
+    for c in (1.0, 1.0, 1e39):
+        convcov.accumulate(out, None, mu, c, 3, backend="numba")
+    assert spy.taken[1:] == [True, True]
+    assert (out == 0).all()
