@@ -524,6 +524,9 @@ __global__ void __launch_bounds__(THREADS) cc_sbox(const Args a) {
 // is kh when the host instantiated it (3), else 0 (kh <= WALK_KMAX, unrolled selects).
 // U steps' loads are issued before their sums.
 #define WALK_KMAX 7
+#ifndef WALK_BACKWARDS
+#define WALK_BACKWARDS 1
+#endif
 // The ring of the last kh - 1 row sums, oldest first, after ``r`` joined it.
 template <typename Acc, int KH, int RS>
 __device__ __forceinline__ void ring_push(Acc (&ring)[RS], Acc r, int kh) {
@@ -544,6 +547,9 @@ __global__ void __launch_bounds__(THREADS) cc_sbox_walk(const Args a) {
     i64 bgd, jj, bg, dd;
     divmod(e, WoWo, bgd, jj);
     divmod(bgd, nd, bg, dd);
+    // The (b, g) planes last to first: the end of T, which cc_gsum wrote last, is still
+    // in L2, and the S left in L2 at the end is the S that cc_stream reads first.
+    if (WALK_BACKWARDS) bg = a.B * a.G - 1 - bg;
     const int d = (int)dd - (Ho - 1), j0 = (int)jj / Wo, j1 = (int)jj - j0 * Wo;
     const int y0b = j0 * sw - pw, y1b = j1 * sw - pw;
     unsigned cols = 0;  // bit ji: both columns of kernel offset ji inside the input

@@ -135,6 +135,9 @@ WALK_KMAX = 7
 #: Steps of a walk whose loads are issued together (cupy's cc_sbox_walk: 4 -> 8 took
 #: big's S from 165 to 150 us on the H200, 2026-11-30).
 WALK_U = 8
+#: The walk takes the (b, g) planes last to first: the end of T, which gsum wrote last,
+#: is still in L2, and the S it leaves in L2 is the S the update reads first.
+WALK_BACKWARDS = True
 #: Cache qualifier of the loads of gamma, touched once: "cs", evict-first (or "": none;
 #: the out update's are OUT_WIDE and OUT_16 below) ...
 STREAMING = "cs"
@@ -673,7 +676,7 @@ if _IMPORT_ERROR is None:
         issued before their sums. V is the kernel height when it is a compile-time
         constant of the kernel (3: the usual), else 0 (any kh read from geo)."""
         ld = _LDV[1, READONLY]
-        U, KH = WALK_U, V
+        U, KH, BACK = WALK_U, V, WALK_BACKWARDS
 
         def sbox_walk(sptr, tptr, geo, n, zero):
             H, W, Ho, Wo, kw = geo[4], geo[5], geo[6], geo[7], geo[9]
@@ -692,6 +695,8 @@ if _IMPORT_ERROR is None:
                 bgd = e // WoWo
                 bg = bgd // nd
                 d = bgd - bg * nd - (Ho - 1)
+                if BACK:  # the last (b, g) first: the T that gsum wrote last is in L2
+                    bg = geo[0] * geo[1] - 1 - bg
                 # (j0, j1) fit 32 bits: unsigned 32-bit division is the cheap one.
                 jj = numba.uint32(e - bgd * WoWo)
                 j0 = jj // Wo32
