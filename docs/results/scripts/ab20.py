@@ -3,6 +3,7 @@ process: whole call the bench's way, the GPU part (host hidden behind a sleep ke
 bit-equality of the two paths; then host parts of the fast path."""
 import statistics as st, sys, time
 import torch, convcov
+from _timing import measure
 from convcov import bench, _frontend
 
 dev = bench._Cuda()
@@ -12,19 +13,6 @@ WL = {w.name: w for w in bench.WORKLOADS}
 FAST = _frontend._torch_fast
 def mode(fast):
     _frontend._torch_fast = FAST if fast else (lambda *a: None)
-
-def measure(f, n=40):
-    whole, gpu = [], []
-    for i in range(2 * n):
-        torch.cuda.synchronize()
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        hide = i % 2 == 1
-        if hide:
-            torch.cuda._sleep(3_000_000)
-        e0.record(); f(); e1.record()
-        torch.cuda.synchronize()
-        (gpu if hide else whole).append(e0.elapsed_time(e1) * 1e3)
-    return st.median(whole), st.median(gpu)
 
 names = sys.argv[1].split(",") if len(sys.argv) > 1 else ["toy", "mid", "big-f32", "big-f16"]
 for name in names:

@@ -3,6 +3,7 @@ backends, ABAB in one process: whole call the bench's way, the GPU part (host hi
 behind a sleep kernel), per-kernel times, bit-equality."""
 import statistics as st, sys
 import torch, convcov
+from _timing import measure
 from convcov import bench, _frontend
 from convcov.backends import cupy as cb, numba_cuda as nc
 
@@ -31,19 +32,6 @@ def kernels(f, n=5):
                     break
             out.append(f"{k} {t/n:.0f}")
     return ", ".join(out)
-
-def measure(f, n=40):
-    whole, gpu = [], []
-    for i in range(2 * n):
-        torch.cuda.synchronize()
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        hide = i % 2 == 1
-        if hide:
-            torch.cuda._sleep(3_000_000)
-        e0.record(); f(); e1.record()
-        torch.cuda.synchronize()
-        (gpu if hide else whole).append(e0.elapsed_time(e1) * 1e3)
-    return st.median(whole), st.median(gpu)
 
 OPT = cb._OPTIONS
 def back(be, flag):
