@@ -367,6 +367,34 @@ def test_runs_on_the_current_torch_stream(path):
 
 
 @gpu
+def test_scratch_from_torchs_allocator():
+    """Scratch for torch tensors (both GPU backends: convcov._arrays.torch_scratch) comes
+    from torch's caching allocator on the launch stream, aligned for vector loads, and
+    goes back when its owner is dropped."""
+    import torch
+
+    from convcov._arrays import torch_scratch
+
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    owner, ptr = torch_scratch(3 << 20, torch.cuda.current_device(),
+                               torch.cuda.current_stream().cuda_stream)
+    assert ptr % 256 == 0
+    assert torch.cuda.memory_allocated() >= before + (3 << 20)
+    # usable device memory: written and summed through a CuPy view (when CuPy is here)
+    if has_cupy_gpu():
+        import cupy
+
+        mem = cupy.cuda.UnownedMemory(ptr, 3 << 20, owner)
+        view = cupy.ndarray((1024,), cupy.float32, cupy.cuda.MemoryPointer(mem, 0))
+        view[:] = cupy.arange(1024, dtype=cupy.float32)
+        assert float(view.sum()) == 1023 * 1024 / 2
+        del view, mem
+    del owner
+    assert torch.cuda.memory_allocated() == before
+
+
+@gpu
 def test_second_gpu(path):
     """Arrays on cuda:1 are computed there while cuda:0 is current, and calls with the same
     layout on both devices, interleaved, each use their own device's plan and kernels

@@ -57,7 +57,7 @@ import struct
 import sys
 import threading
 
-from .._arrays import contiguous, current_stream, diag_strides, vector_width
+from .._arrays import contiguous, current_stream, diag_strides, torch_scratch, vector_width
 from .._registry import Backend
 
 #: Dtype names -> (code used by the kernels' run-time typed loads, C++ storage type, bytes).
@@ -1233,17 +1233,16 @@ class CupyBackend(Backend):
                         H * H + W * W if gm is not None else 0, acc)
 
     # ------------------------------------------------------------ the call
-    def _scratch(self, kind, like, plan, dev, stream):
+    def _scratch(self, kind, plan, dev, stream):
         """The plan's scratch (S and T; D and the link tables for the backward) in one
         buffer of ``plan.scratch`` accumulation-type elements, allocated stream-ordered on
         the launch stream from the arrays' library (torch's caching allocator for torch
-        tensors, like ``like``): freed right after the launches, the memory is only reused
-        by work queued behind them, and a CUDA-graph capture sees no foreign allocation."""
+        tensors, ``convcov._arrays.torch_scratch``): freed right after the launches, the
+        memory is only reused by work queued behind them, and a CUDA-graph capture sees
+        no foreign allocation."""
         if kind == "torch":
-            torch = sys.modules["torch"]
-            dtype = torch.float64 if plan.acc == "float64" else torch.float32
-            buf = torch.empty(plan.scratch, dtype=dtype, device=like.device)
-            ptr = buf.data_ptr()
+            buf, ptr = torch_scratch(plan.scratch * (8 if plan.acc == "float64" else 4), dev,
+                                     stream)
         else:
             cp = self._cp
             if stream == 0 and cp.cuda.get_current_stream(dev).ptr != 0:
@@ -1278,7 +1277,7 @@ class CupyBackend(Backend):
     def accumulate(self, p) -> None:
         cp, dev, prev = self._enter(p.device)
         try:
-            self._launch(self._plan_of(p, dev), p.kind, p.out, dev, p.out_info.ptr,
+            self._launch(self._plan_of(p, dev), p.kind, dev, p.out_info.ptr,
                          0 if p.gamma_info is None else p.gamma_info.ptr, p.mu_info.ptr,
                          0 if p.c_info is None else p.c_info.ptr, p.c_value)
         finally:
@@ -1295,12 +1294,12 @@ class CupyBackend(Backend):
             self._plans[key] = plan
         return plan
 
-    def _launch(self, plan, kind, like, dev, optr, gptr, mptr, cptr, c_value):
+    def _launch(self, plan, kind, dev, optr, gptr, mptr, cptr, c_value):
         """Launch a plan on ``dev`` (current) on the arrays' library's current stream:
         the addresses of out, gamma, mu and c (0 for an absent gamma, which the kernels
         test, and for a number c, which they then take from c_value)."""
         stream = current_stream(kind, dev)
-        buf, s_ptr = self._scratch(kind, like, plan, dev, stream) if plan.scratch else (None, 0)
+        buf, s_ptr = self._scratch(kind, plan, dev, stream) if plan.scratch else (None, 0)
         t_ptr = s_ptr + plan.t_offset
         c_bits = 0 if cptr else _INT64.unpack(_DOUBLE.pack(c_value))[0]
         launch_kernel = self._cp.cuda.driver.launchKernel
@@ -1335,7 +1334,7 @@ class CupyBackend(Backend):
         def run(out, gamma, mu, c, optr, gptr, mptr, cptr, c_value):
             cp, dev, prev = enter(device)
             try:
-                launch(plan, kind, out, dev, optr, gptr, mptr, cptr, c_value)
+                launch(plan, kind, dev, optr, gptr, mptr, cptr, c_value)
             finally:
                 if prev is not None:
                     cp.cuda.runtime.setDevice(prev)
@@ -1360,7 +1359,7 @@ class CupyBackend(Backend):
                     self._plans.clear()
                 self._plans[key] = plan
             stream = current_stream(a.kind, dev)
-            buf, base = self._scratch(a.kind, a.mu, plan, dev, stream) if plan.scratch else (
+            buf, base = self._scratch(a.kind, plan, dev, stream) if plan.scratch else (
                 None, 0)
             ptrs = _vjp_pointers(a, plan, base)
             launch_kernel = cp.cuda.driver.launchKernel

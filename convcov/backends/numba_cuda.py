@@ -81,6 +81,7 @@ from .._arrays import (
     current_stream,
     diag_strides,
     host_view,
+    torch_scratch,
     vector_width,
 )
 from .._registry import Backend
@@ -1253,14 +1254,13 @@ def _driver_stream(handle):
     return st
 
 
-def _workspace(kind, dev, n, acc):
-    """Scratch array for S and T of ``n`` elements on device ``dev``, from the arrays' own
-    library (stream-ordered caching allocators for torch and CuPy), and its device address."""
+def _workspace(kind, dev, n, acc, stream):
+    """Scratch for S and T, ``n`` elements of ``acc`` on device ``dev``, from the arrays'
+    own library, ordered on the launch stream (raw handle ``stream``): (owner, address);
+    drop the owner after the launches."""
     n = max(n, 1)
     if kind == "torch":
-        torch = sys.modules["torch"]
-        t = torch.empty(n, dtype=getattr(torch, acc), device=dev)
-        return t, t.data_ptr()
+        return torch_scratch(n * ITEMSIZE[acc], dev, stream)
     if kind == "cupy":
         cupy = sys.modules["cupy"]
         with cupy.cuda.Device(dev):
@@ -1511,14 +1511,15 @@ def _plan(p, dev_id):
     return plan
 
 
-def _launch_plan(plan, kind, where, dev_id, acc, optr, gptr, mptr, cptr, c_value):
+def _launch_plan(plan, kind, dev_id, acc, optr, gptr, mptr, cptr, c_value):
     """Launch a plan on the current stream of the arrays' library on ``dev_id`` (its
     context current): addresses of out, gamma, mu and c (0 for an absent gamma or a
-    number c), and c_value, the number c. Scratch from the library, on ``where``."""
-    stream = _driver_stream(current_stream(kind, dev_id))
+    number c), and c_value, the number c. Scratch from the library."""
+    handle = current_stream(kind, dev_id)
+    stream = _driver_stream(handle)
     buf, sptr, tptr = None, 0, 0
     if plan.scratch:
-        buf, sptr = _workspace(kind, where, plan.scratch, acc)
+        buf, sptr = _workspace(kind, dev_id, plan.scratch, acc, handle)
         tptr = sptr + plan.t_offset
     # the number c as the launch path takes it: packed bits, or a float for Numba's
     cval = _bits(float(c_value), acc) if FAST_LAUNCH else float(c_value)
@@ -1602,8 +1603,7 @@ class NumbaCudaBackend(Backend):
             for launch in plan.launches:
                 launch(None, values)
             return
-        _launch_plan(plan, p.kind, p.out.device if p.kind == "torch" else p.device[1],
-                     p.device[1], p.acc, p.out_info.ptr,
+        _launch_plan(plan, p.kind, p.device[1], p.acc, p.out_info.ptr,
                      0 if p.gamma is None else p.gamma_info.ptr, p.mu_info.ptr,
                      0 if p.c is None else p.c_info.ptr, p.c_value)
 
@@ -1624,15 +1624,14 @@ class NumbaCudaBackend(Backend):
 
         self._on_device(find_plan, p)  # compiles and loads on the device, if not yet
         plan = holder["plan"]
-        where = p.out.device if kind == "torch" else dev_id  # where the scratch goes
 
         def run(out, gamma, mu, c, optr, gptr, mptr, cptr, c_value):
             ctx = _ready.get(dev_id)
             if ctx is not None and ctx == _current_context():
-                _launch_plan(plan, kind, where, dev_id, acc, optr, gptr, mptr, cptr, c_value)
+                _launch_plan(plan, kind, dev_id, acc, optr, gptr, mptr, cptr, c_value)
                 return
             with cuda.gpus[dev_id]:
-                _launch_plan(plan, kind, where, dev_id, acc, optr, gptr, mptr, cptr, c_value)
+                _launch_plan(plan, kind, dev_id, acc, optr, gptr, mptr, cptr, c_value)
                 _ready[dev_id] = _current_context()
 
         return run
