@@ -340,7 +340,7 @@ def accumulate(out, gamma, mu, c, kernel_size, *, stride=1, padding=0, dilation=
             # reads data.
             return _ops().accumulate(out, gamma, mu, c, kernel_size, stride, padding,
                                      dilation, groups, backend)
-        if plain or tm is _Tensor:
+        if tm is _Tensor:  # (not compiling: that returned above)
             # A plain torch tensor: a call signature seen before runs its bound launcher.
             fast_key = _torch_fast(out, gamma, mu, c, kernel_size, stride, padding, dilation,
                                    groups, backend)
@@ -455,7 +455,8 @@ def _torch_fast(out, gamma, mu, c, kernel_size, stride, padding, dilation, group
             or (tc is T and c.requires_grad))):
         return None
     so = e.so
-    if so is not None:  # out must alias no input (the full path raises the error)
+    if so is not None:  # out must alias no input (the full path raises the error);
+        # _arrays.overlaps on addresses, inlined: this runs on every call
         for ptr, s in ((g_ptr, e.sg), (m_ptr, e.sm), (c_ptr, e.sc)):
             if s is not None and o_ptr + so[0] < ptr + s[1] and ptr + s[0] < o_ptr + so[1]:
                 return None

@@ -1552,25 +1552,23 @@ class NumbaCudaBackend(Backend):
         return None
 
     @staticmethod
-    def _on_device(run, call) -> None:
-        """run(call, device id) on the call's device (None under the simulator)."""
+    def _on_device(run, call):
+        """run(call, device id) on the call's device (None under the simulator); its result."""
         if SIM:
-            run(call, None)
-            return
+            return run(call, None)
         dev = call.device[1]
         if dev is None:  # a CUDA array of unknown device: Numba's current one
-            run(call, cuda.get_current_device().id)
-            return
+            return run(call, cuda.get_current_device().id)
         ctx = _ready.get(dev)
         if ctx is not None and ctx == _current_context():
             # The device's context is current on this thread already (the arrays' library
             # made it so): Numba's context push and pop, several microseconds of the toy's
             # budget, are not needed for a launch.
-            run(call, dev)
-            return
+            return run(call, dev)
         with cuda.gpus[dev]:
-            run(call, dev)
+            result = run(call, dev)
             _ready[dev] = _current_context()
+        return result
 
     def accumulate(self, p) -> None:
         self._on_device(self._run, p)
@@ -1617,15 +1615,10 @@ class NumbaCudaBackend(Backend):
         if p.device[1] is None:
             return None
         dev_id, kind, acc = p.device[1], p.kind, p.acc
-        holder = {}
-
-        def find_plan(call, d):
-            holder["plan"] = self._plan_of(call, d)
-
-        self._on_device(find_plan, p)  # compiles and loads on the device, if not yet
-        plan = holder["plan"]
+        plan = self._on_device(self._plan_of, p)  # compiled and loaded on the device
 
         def run(out, gamma, mu, c, optr, gptr, mptr, cptr, c_value):
+            # _on_device's context check, inlined: this runs on every call
             ctx = _ready.get(dev_id)
             if ctx is not None and ctx == _current_context():
                 _launch_plan(plan, kind, dev_id, acc, optr, gptr, mptr, cptr, c_value)
