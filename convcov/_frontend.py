@@ -32,6 +32,9 @@ from ._errors import BackendError, ShapeError
 
 _ndarray = np.ndarray  # module globals: the hot path's first check costs one lookup
 _modules = sys.modules
+#: The largest finite float32. A finite number c beyond it would be Inf as a float32 (and
+#: Inf * 0 NaN where S = 0), so a call with such a c sums in float64 (normalise).
+_F32_MAX = float(np.finfo(np.float32).max)
 
 
 @dataclass(slots=True)  # not frozen: a frozen __init__ costs microseconds per call
@@ -223,6 +226,8 @@ def normalise(out, gamma, mu, c, kernel_size, stride, padding, dilation, groups)
     c_value = 0.0
     if c_i is None:
         c_value, c_arr = float(c), None
+        if acc == "float32" and _F32_MAX < abs(c_value) < float("inf"):
+            acc = "float64"  # c is a Python float: kept exact rather than turned into Inf
     return Problem(
         out_arr, gamma_arr, mu_arr, c_arr, c_value, out_i, gamma_i, mu_i, c_i,
         len(out_i.shape) == 7, gamma_i is not None and len(gamma_i.shape) == 7,
@@ -424,6 +429,8 @@ def _torch_fast(out, gamma, mu, c, kernel_size, stride, padding, dilation, group
     tc = type(c)
     if tc is float or tc is int:
         c_key, c_ptr, c_value = tc, 0, float(c)
+        if not -_F32_MAX <= c_value <= _F32_MAX:
+            return None  # the full path decides the sums' dtype from this c (normalise)
     elif tc is T:
         c_ptr = c.data_ptr()
         c_key, c_value = (c.dtype, c.shape, c.stride(), c.device, c_ptr & 15), 0.0

@@ -45,7 +45,9 @@ def problems(draw, small: bool):
                 padding=(ph, pw), dilation=(dh, dw))
 
 
-def run_case(name: str, data, small: bool) -> None:
+def backend_and_kinds(name: str):
+    """The backend registered as ``name`` and the array kinds to test it with here
+    (skips the test when it cannot run here)."""
     backend = _registry.get(name)
     reason = backend.unavailable_reason()
     if reason:
@@ -53,6 +55,11 @@ def run_case(name: str, data, small: bool) -> None:
     kinds = kinds_for(backend.device)
     if not kinds:
         pytest.skip(f"{name}: no {backend.device} array library here")
+    return backend, kinds
+
+
+def run_case(name: str, data, small: bool) -> None:
+    backend, kinds = backend_and_kinds(name)
     pr = data.draw(problems(small))
     kind = data.draw(st.sampled_from(kinds), label="kind")
     # bfloat16 arrays come from torch only (numpy, CuPy and numba have no bfloat16 dtype)
@@ -160,3 +167,31 @@ def test_numba_cuda_simulator_matches_reference(path, data):
         mp.setattr(mod, "_plans", {})  # plans remember the path chosen
         mp.setattr(_frontend, "_bound", {})  # ... and so do the bound launchers
         run_case("numba_cuda", data, small=True)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_number_c_beyond_float32_sums_in_float64(name):
+    """A Python number c that float32 cannot hold (finite, above 3.4e38) with float32
+    arrays: every backend sums in float64 (docs/api.md), so S = 0 gives zeros, not
+    Inf * 0 = NaN, and a tiny S gives the finite products the reference gives. For torch
+    tensors the call is made twice (a float32 signature bound first): the fast path must
+    not sum such a c in float32."""
+    _, kinds = backend_and_kinds(name)
+    rng = np.random.default_rng(7)
+    mu_tiny = rng.random((1, 2, 4, 4)) * 1e-17  # S ~ 1e-34: c * S ~ 1e5
+    out0 = rng.standard_normal((1, 2, 2, 2, 2, 2))
+    want = convcov.accumulate(out0.copy(), None, mu_tiny, 3e38 * 10, 3, backend="numpy")
+    for kind in kinds:
+        for mu_vals, expect in ((np.zeros((1, 2, 4, 4)), out0), (mu_tiny, want)):
+            out = make(out0, kind, "float32")
+            mu = make(mu_vals, kind, "float32")
+            for c in (1.0, 3e39, 3e39) if kind.startswith("torch") else (3e39,):
+                if c == 1.0:  # binds the float32 signature; then restore out
+                    convcov.accumulate(out, None, mu, c, 3, backend=name)
+                    out = make(out0, kind, "float32")
+                    continue
+                convcov.accumulate(out, None, mu, c, 3, backend=name)
+                got = to_f64(out)
+                assert np.isfinite(got).all(), f"{name}/{kind}: {got}"
+                np.testing.assert_allclose(got, np.float32(expect), rtol=1e-6, err_msg=kind)
+                out = make(out0, kind, "float32")

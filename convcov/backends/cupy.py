@@ -111,6 +111,21 @@ enum { DT_F16 = 0, DT_BF16 = 1, DT_F32 = 2, DT_F64 = 3 };
 """ + _ARGS_STRUCT + r"""
 #define THREADS 256
 #define UNROLL 4          // loads in flight per thread in the streaming loops
+// cc_gsum's blocks a multiprocessor, named to ptxas (0: none named), and its step form
+// (GSUM_PAIRWISE 1: a step's gamma terms summed pairwise after all its loads; 0: channel
+// by channel, as before 2026-11-30's eighth session). A/B knobs (CupyBackend's compile
+// options, -D...), see cc_gsum.
+#ifndef GSUM_MIN_BLOCKS
+#define GSUM_MIN_BLOCKS 0
+#endif
+#ifndef GSUM_PAIRWISE
+#define GSUM_PAIRWISE 1
+#endif
+#if GSUM_MIN_BLOCKS > 0
+#define GSUM_BOUNDS __launch_bounds__(THREADS, GSUM_MIN_BLOCKS)
+#else
+#define GSUM_BOUNDS __launch_bounds__(THREADS)
+#endif
 #define UNROLL_DIRECT 8   // ... in cc_direct, whose problems are small: latency-bound
                           // (16 and 32: toy's kernel no faster, H200 2026-11-30)
 
@@ -385,13 +400,46 @@ __device__ __forceinline__ Acc c_of(const Args& a, i64 c0) {
 }
 
 // ---------------------------------------------------------------- kernel 1: T
+// One channel's mu: mu[b, ci, x0, y0] (the row) and V values mu[b, ci, q] (the column),
+// loaded by load() and read, converted, by row() and col(). A typed mu stays raw between
+// the two, so that cc_gsum can issue all of a step's loads before its first sum (a warp
+// issues in order: a conversion placed between two loads holds the second one until the
+// first one's data is back); a run-time typed mu (anyt, mixed dtypes) converts at once.
+template <typename Acc, typename Tm, int V> struct MuPair {
+  Raw<Tm, 1> r;
+  Raw<Tm, V> c;
+  __device__ __forceinline__ void load(const void* mu, i64 orow, i64 ocol, int) {
+    ldraw<Tm, 1, 0>((const Tm*)mu + orow, r);
+    ldraw<Tm, V, 0>((const Tm*)mu + ocol, c);
+  }
+  __device__ __forceinline__ Acc row() const { Tm t[1]; unpack<Tm, 1>(r, t); return Cv<Acc>::from(t[0]); }
+  __device__ __forceinline__ void col(Acc (&m)[V]) const {
+    Tm t[V];
+    unpack<Tm, V>(c, t);
+#pragma unroll
+    for (int e = 0; e < V; ++e) m[e] = Cv<Acc>::from(t[e]);
+  }
+};
+template <typename Acc, int V> struct MuPair<Acc, anyt, V> {
+  Acc r, c[V];
+  __device__ __forceinline__ void load(const void* mu, i64 orow, i64 ocol, int dt) {
+    r = ld_any<Acc, 0>(mu, orow, dt);
+    ldv_any<Acc, V>(mu, ocol, dt, c);
+  }
+  __device__ __forceinline__ Acc row() const { return r; }
+  __device__ __forceinline__ void col(Acc (&m)[V]) const {
+#pragma unroll
+    for (int e = 0; e < V; ++e) m[e] = c[e];
+  }
+};
+
 // T[b, g, x0, y0, q] = sum over ci of group g of gamma[b, ci, x0, y0, (ci,) q] + mu[b, ci, x0, y0] * mu[b, ci, q]
 // for V consecutive q per thread. V > 1 only when q is contiguous in gamma and mu and
 // every row is aligned to the vector (checked on the host); V == 1 takes any strides.
 // Tg is gamma's storage type (gamma absent: a.gamma == 0), Tm mu's (or anyt).
 // Positions (< H*W < 2**31) are 32-bit; offsets into arrays are 64-bit.
 template <typename Tg, typename Tm, typename Acc, int V>
-__global__ void __launch_bounds__(THREADS) cc_gsum(const Args a) {
+__global__ void GSUM_BOUNDS cc_gsum(const Args a) {
   const int W = (int)a.W, HW = (int)(a.H * a.W), nqv = HW / V;
   const Tg* gamma = (const Tg*)a.gamma;
   const void* mu = (const void*)a.mu;
@@ -418,7 +466,15 @@ __global__ void __launch_bounds__(THREADS) cc_gsum(const Args a) {
 #pragma unroll
     for (int e = 0; e < V; ++e) acc[e] = (Acc)0;
     i64 ci = 0;
-    // UNROLL channels at once: their gamma loads are all in flight before the first use.
+    // UNROLL channels a step, every load of the step (gamma's from DRAM, mu's from the
+    // caches) issued before the first sum, the values kept raw until then, and the
+    // step's gamma terms summed pairwise. Summed channel by channel (GSUM_PAIRWISE 0),
+    // ptxas placed the fourth gamma load and the loads of mu between the sums (sm_90
+    // SASS), each waiting for the data before it: big-f16's cc_gsum 1074 -> 1051 us on
+    // the H200 (2026-11-30, docs/results/scripts/ab29.py; float32 2045 -> 2047, mid
+    // 38.7 -> 38.3). The step then takes 89 registers for float16 (2 blocks a
+    // multiprocessor): naming 4 blocks (64 registers) spilled and took 1115 us.
+#if !GSUM_PAIRWISE
     for (; ci + UNROLL <= a.Cg; ci += UNROLL) {
       Tg gv[UNROLL][V];
       if (gamma) {
@@ -438,6 +494,43 @@ __global__ void __launch_bounds__(THREADS) cc_gsum(const Args a) {
       }
       og += UNROLL * a.sg1; om_row += UNROLL * a.sm1; om_col += UNROLL * a.sm1;
     }
+#else
+    for (; ci + UNROLL <= a.Cg; ci += UNROLL) {
+      Raw<Tg, V> gr[UNROLL];
+      MuPair<Acc, Tm, V> mp[UNROLL];
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) mp[u].load(mu, om_row + u * a.sm1, om_col + u * a.sm1, dt_mu);
+      if (gamma) {
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) ldraw<Tg, V, 1>(gamma + og + u * a.sg1, gr[u]);
+      }
+      if (gamma) {  // the step's gamma terms summed pairwise: every gamma load first
+        Tg gv[UNROLL][V];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) unpack<Tg, V>(gr[u], gv[u]);
+#pragma unroll
+        for (int e = 0; e < V; ++e) {
+          Acc gs[UNROLL];
+#pragma unroll
+          for (int u = 0; u < UNROLL; ++u) gs[u] = Cv<Acc>::from(gv[u][e]);
+#pragma unroll
+          for (int w = 1; w < UNROLL; w *= 2)
+#pragma unroll
+            for (int u = 0; u + w < UNROLL; u += 2 * w) gs[u] = aadd(gs[u], gs[u + w]);
+          acc[e] = aadd(acc[e], gs[0]);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) {
+        Acc mc[V];
+        mp[u].col(mc);
+        const Acc mr = mp[u].row();
+#pragma unroll
+        for (int e = 0; e < V; ++e) acc[e] = afma(mr, mc[e], acc[e]);
+      }
+      og += UNROLL * a.sg1; om_row += UNROLL * a.sm1; om_col += UNROLL * a.sm1;
+    }
+#endif
     for (; ci < a.Cg; ++ci) {
       Tg gv[V];
       if (gamma) ldv<Tg, V, 1>(gamma + og, gv);
@@ -522,7 +615,12 @@ __global__ void __launch_bounds__(THREADS) cc_sbox(const Args a) {
 // the H200, 2026-11-30; ncu: still latency-bound, 58% of the stalls wait for T). Row sums are summed fresh each step (no running subtraction:
 // Inf - Inf would turn a sum into NaN). The last kh - 1 row sums live in registers: KH
 // is kh when the host instantiated it (3), else 0 (kh <= WALK_KMAX, unrolled selects).
-// U steps' loads are issued before their sums.
+// U steps' loads are issued before their sums; with the width a compile-time constant
+// (KW: 3, else 0 for any kw) every column's too: a warp issues in order, and with kw read
+// at run time each column's adds held the next column's loads until its data came
+// (sm_90 SASS: three memory latencies a round instead of one). A term outside the input
+// or in a column in the padding is a 0 then, added to a sum that starts at +0 (the same
+// bits as leaving it out: such a sum is never -0).
 #define WALK_KMAX 7
 #ifndef WALK_BACKWARDS
 #define WALK_BACKWARDS 1
@@ -534,11 +632,12 @@ __device__ __forceinline__ void ring_push(Acc (&ring)[RS], Acc r, int kh) {
   for (int v = 0; v < RS - 1; ++v) ring[v] = KH > 0 || v + 1 < kh - 1 ? ring[v + 1] : r;
   ring[RS - 1] = r;
 }
-template <typename Acc, int KH, int U>
+template <typename Acc, int KH, int KW, int U>
 __global__ void __launch_bounds__(THREADS) cc_sbox_walk(const Args a) {
   enum { R = KH > 0 ? KH - 1 : WALK_KMAX - 1, RS = R > 0 ? R : 1 };  // ring size
+  enum { KWA = KW > 0 ? KW : 1 };  // the loads-first arrays' width (used when KW > 0)
   const int H = (int)a.H, W = (int)a.W, Ho = (int)a.Ho, Wo = (int)a.Wo;
-  const int kh = KH > 0 ? KH : (int)a.kh, kw = (int)a.kw, sw = (int)a.sw;
+  const int kh = KH > 0 ? KH : (int)a.kh, kw = KW > 0 ? KW : (int)a.kw, sw = (int)a.sw;
   const int ph = (int)a.ph, pw = (int)a.pw, dw = (int)a.dw, nd = 2 * Ho - 1, WoWo = Wo * Wo;
   const i64 HW = a.H * a.W, HoWo = a.Ho * a.Wo, DI = a.W * HW + a.W, DJ = a.dw * (HW + 1);
   const Acc* T = (const Acc*)a.t;
@@ -569,16 +668,39 @@ __global__ void __launch_bounds__(THREADS) cc_sbox_walk(const Args a) {
     int x = i0s - ph;
     for (int ii = 0; ii < kh - 1; ++ii, ++x) {  // the first kh - 1 row sums
       Acc r = (Acc)0;
-      if (x >= xlo && x < xhi)
+      if (KW > 0) {
+        Acc tv[KWA];
+#pragma unroll
+        for (int ji = 0; ji < KWA; ++ji)
+          tv[ji] = x >= xlo && x < xhi && (cols >> ji & 1u) ? ldh<0>(Tb + x * DI + ji * DJ)
+                                                            : (Acc)0;
+#pragma unroll
+        for (int ji = 0; ji < KWA; ++ji) r = aadd(r, tv[ji]);
+      } else if (x >= xlo && x < xhi) {
         for (int ji = 0; ji < kw; ++ji)
           if (cols >> ji & 1u) r = aadd(r, ldh<0>(Tb + x * DI + ji * DJ));
+      }
       ring_push<Acc, KH, RS>(ring, r, kh);
     }
     for (int i0 = i0s; i0 < i0e; i0 += U, x += U) {  // then U new ones a round
       Acc rs[U];
 #pragma unroll
       for (int u = 0; u < U; ++u) rs[u] = (Acc)0;
-      for (int ji = 0; ji < kw; ++ji) {
+      if (KW > 0) {  // every column's loads, then the sums
+        Acc tv[KWA][U];
+#pragma unroll
+        for (int ji = 0; ji < KWA; ++ji)
+#pragma unroll
+          for (int u = 0; u < U; ++u) {
+            const bool in = (cols >> ji & 1u) && i0 + u < i0e && x + u >= xlo && x + u < xhi;
+            tv[ji][u] = in ? ldh<0>(Tb + (x + u) * DI + ji * DJ) : (Acc)0;
+          }
+#pragma unroll
+        for (int ji = 0; ji < KWA; ++ji)
+#pragma unroll
+          for (int u = 0; u < U; ++u) rs[u] = aadd(rs[u], tv[ji][u]);
+      }
+      for (int ji = 0; KW == 0 && ji < kw; ++ji) {
         if (!(cols >> ji & 1u)) continue;
         Acc tv[U];
 #pragma unroll
@@ -931,6 +1053,9 @@ _WALK_KMAX = 7  # WALK_KMAX in SOURCE
 #: Steps a walk issues the loads of at once (U in SOURCE): 4 -> 8 took big's S from 165
 #: to 150 us on the H200 (2026-11-30, KH = 3).
 _WALK_U = 8
+#: The 3x3 walk with its width a compile-time constant (KW = 3 in SOURCE: every column's
+#: loads of a round issued before their sums); False: the width read at run time.
+_WALK_KW = True
 #: Channels of grad_gamma one cc_vjp_gamma thread stores (None: all of the group's, split
 #: only when that under-fills the device). Not yet measured on the H200: a knob to try.
 _VJP_CHUNK = None
@@ -962,7 +1087,8 @@ def _family_names(family):
             + [f"cc_gsum<{cxx}, anyt, {acc}, 1>"]
             + [f"cc_stream<{cxx}, {acc}, {v}, {_stream_ch(cxx, acc)}>" for v in _widths(size)]
             + [f"cc_sbox<{acc}>", f"cc_direct<{cxx}, {acc}>"]
-            + [f"cc_sbox_walk<{acc}, {kh}, {_WALK_U}>" for kh in (0, 3)])
+            + [f"cc_sbox_walk<{acc}, {kh}, {kw}, {_WALK_U}>"
+               for kh, kw in ((0, 0), (3, 0), (3, 3))])
 
 
 class _Launch:
@@ -1160,8 +1286,9 @@ class CupyBackend(Backend):
         # length and alignment allow; otherwise one segment per (i0, j0).
         n_s = B * G * HoWo * HoWo
         if _SBOX_WALK and p.sh == 1 and p.dh == 1 and p.kh <= _WALK_KMAX:
-            kh = 3 if p.kh == 3 else 0  # the instantiated heights (KH in SOURCE)
-            launches.append(launch(f"cc_sbox_walk<{acc_cxx}, {kh}, {_WALK_U}>", family,
+            kh = 3 if p.kh == 3 else 0  # the instantiated shapes (KH, KW in SOURCE)
+            kw = 3 if kh == 3 and p.kw == 3 and _WALK_KW else 0
+            launches.append(launch(f"cc_sbox_walk<{acc_cxx}, {kh}, {kw}, {_WALK_U}>", family,
                                    B * G * (2 * Ho - 1) * Wo * Wo))
         else:
             launches.append(launch(f"cc_sbox<{acc_cxx}>", family, n_s))

@@ -1037,7 +1037,6 @@ PREFETCH_FROM_BYTES = 8 << 20
 #: non-temporal stores (measured on the ``cpu`` shapes, docs/numba.md).
 STREAM_FROM_BYTES = 8 << 20
 
-_F32_MAX = float(np.finfo(np.float32).max)
 _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 
 
@@ -1045,11 +1044,10 @@ _O_ADDR, _G_ADDR, _M_ADDR, _C_ADDR, _PAIRS = (
     _PRM.index(n) for n in ("o_addr", "g_addr", "m_addr", "c_addr", "pairs"))
 
 
-def _params(p, acc=None):
+def _params(p):
     """(the kernel's parameters for p's signature, addresses 0; the accumulation type;
     the size of one (b, g) plane of its buffer)."""
-    if acc is None:
-        acc = np.float64 if p.acc == "float64" else np.float32
+    acc = np.float64 if p.acc == "float64" else np.float32
     if p.c is None:
         c_part = (0, ABSENT, 0)
     else:
@@ -1087,12 +1085,6 @@ def _accumulate_at(prms, optr, gptr, mptr, cptr, c_value):
     _run(prm, acc(c_value), np.empty(prm[_PAIRS] * plane, acc))
 
 
-def _too_big(prms, cptr, c_value) -> bool:
-    """A finite number c beyond float32's range: summed in float32 it would become Inf
-    (and Inf*0 NaN), so the call sums in float64."""
-    return cptr == 0 and prms[1] is np.float32 and abs(c_value) > _F32_MAX and c_value == c_value
-
-
 class NumbaBackend(Backend):
     name = "numba"
     device = "cpu"
@@ -1100,22 +1092,18 @@ class NumbaBackend(Backend):
 
     def accumulate(self, p) -> None:
         cptr = 0 if p.c_info is None else p.c_info.ptr
-        prms = _params(p)
-        if _too_big(prms, cptr, p.c_value):
-            prms = _params(p, np.float64)
-        _accumulate_at(prms, p.out_info.ptr, 0 if p.gamma_info is None else p.gamma_info.ptr,
-                       p.mu_info.ptr, cptr, p.c_value)
+        _accumulate_at(_params(p), p.out_info.ptr,
+                       0 if p.gamma_info is None else p.gamma_info.ptr, p.mu_info.ptr, cptr,
+                       p.c_value)
 
     def bind(self, p):
         """The launcher of p's signature for the front end's fast path (Backend.bind):
         the kernel's parameters are derived once; a call puts its addresses in. (It must
         not keep p, which holds the first call's arrays.)"""
         prms = _params(p)
-        prms64 = _params(p, np.float64) if prms[1] is np.float32 else prms
 
         def run(out, gamma, mu, c, optr, gptr, mptr, cptr, c_value):
-            _accumulate_at(prms64 if _too_big(prms, cptr, c_value) else prms,
-                           optr, gptr, mptr, cptr, c_value)
+            _accumulate_at(prms, optr, gptr, mptr, cptr, c_value)
 
         return run
 

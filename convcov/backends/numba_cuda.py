@@ -116,6 +116,11 @@ DIRECT_RATIO = 2
 #: The out update's per-vector index divisions in 32 bits when the values fit (_div), for
 #: out wider than 16 bits (see _make_stream).
 FAST_DIV = True
+#: ... and the index divisions that run once a thread: gsum's and sbox_walk's position,
+#: and the update's tile where FAST_DIV applies (H200, 2026-11-30, ABAB in one process,
+#: docs/results/scripts/ab28.py: mid 115.0 -> 113.7 us of GPU time, big-f32 5500 -> 5464,
+#: big-f16's update 1689 -> 1697 us with them, so 16-bit out keeps its 64-bit ones).
+DIV32 = True
 #: Terms of S whose loads the one-launch kernel issues together (its problems are
 #: latency-bound; 16 and 32 left toy's kernel at 12 us on the H200, 2026-11-30).
 DIRECT_UNROLL = 8
@@ -139,6 +144,9 @@ WALK_U = 8
 #: The walk takes the (b, g) planes last to first: the end of T, which gsum wrote last,
 #: is still in L2, and the S it leaves in L2 is the S the update reads first.
 WALK_BACKWARDS = True
+#: The 3 x 3 walk with its width a compile-time constant (sbox_walk's V = 33: every
+#: column's loads of a round issued before their sums); False: the width read at run time.
+WALK_KW = True
 #: Cache qualifier of the loads of gamma, touched once: "cs", evict-first (or "": none;
 #: the out update's are OUT_WIDE and OUT_16 below) ...
 STREAMING = "cs"
@@ -488,6 +496,7 @@ if _IMPORT_ERROR is None:
         in gamma and mu, rows aligned). Four channels a step: their 4 x V gamma values
         are in flight before the first is added. Reads gamma's channel-diagonal once."""
         ldg, ldm, stt = _LDV[V, STREAMING], _LDV[V, READONLY], _STV[V, ""]
+        div = _div if DIV32 else _div64
 
         def gsum(tptr, gptr, gbase, gst, has_g, mptr, mbase, mst, geo, n, zero):
             G, Cg, W = geo[1], geo[2], geo[5]
@@ -496,13 +505,13 @@ if _IMPORT_ERROR is None:
             gsc, msc = gst[1], mst[1]
             idx = cuda.grid(1)
             while idx < n:
-                row = idx // nqv  # (b, g, x0, y0)
+                row = div(idx, nqv)  # (b, g, x0, y0)
                 q = (idx - row * nqv) * V
-                bg = row // HW
+                bg = div(row, HW)
                 p = row - bg * HW
-                b = bg // G
+                b = div(bg, G)
                 g = bg - b * G
-                x0 = p // W
+                x0 = div(p, W)
                 y0 = p - x0 * W
                 gb = gbase + b * gst[0] + g * Cg * gsc
                 mb = mbase + b * mst[0] + g * Cg * msc
@@ -674,13 +683,20 @@ if _IMPORT_ERROR is None:
         element instead of sbox's kh*kw, which made sbox L2-bound. Row sums are summed
         fresh each step (no running subtraction: Inf - Inf would turn a sum into NaN);
         the last kh - 1 live in registers (kh <= WALK_KMAX); WALK_U steps' loads are
-        issued before their sums. V is the kernel height when it is a compile-time
-        constant of the kernel (3: the usual), else 0 (any kh read from geo)."""
+        issued before their sums. V is the kernel's shape where it is a compile-time
+        constant: 3 (kh = 3, kw read from geo), 33 (3 x 3: every column's loads of a
+        round are issued before their sums; with kw read at run time each column's sums
+        held the next column's loads, a warp issuing in order), else 0 (any kh <= 7 and
+        kw read from geo). A term outside the input is a 0 then, added to a sum that
+        starts at +0 (the same bits as leaving it out: such a sum is never -0)."""
         ld = _LDV[1, READONLY]
-        U, KH, BACK = WALK_U, V, WALK_BACKWARDS
+        U, KH, KW, BACK = WALK_U, V % 10, V // 10, WALK_BACKWARDS
+        KWU = max(KW, 1) * U
+        div = _div if DIV32 else _div64
 
         def sbox_walk(sptr, tptr, geo, n, zero):
-            H, W, Ho, Wo, kw = geo[4], geo[5], geo[6], geo[7], geo[9]
+            H, W, Ho, Wo = geo[4], geo[5], geo[6], geo[7]
+            kw = KW if KW else geo[9]
             kh = KH if KH else geo[8]
             sw, ph, pw, dw = geo[11], geo[12], geo[13], geo[15]
             HW = H * W
@@ -693,8 +709,8 @@ if _IMPORT_ERROR is None:
             Wo32 = numba.uint32(Wo)
             e = cuda.grid(1)
             while e < n:
-                bgd = e // WoWo
-                bg = bgd // nd
+                bgd = div(e, WoWo)
+                bg = div(bgd, nd)
                 d = bgd - bg * nd - (Ho - 1)
                 if BACK:  # the last (b, g) first: the T that gsum wrote last is in L2
                     bg = geo[0] * geo[1] - 1 - bg
@@ -723,7 +739,14 @@ if _IMPORT_ERROR is None:
                 x = i0 - ph
                 for _ in range(kh - 1):
                     rx = zero
-                    if (x >= xlo) & (x < xhi):
+                    if KW:
+                        tv = cuda.local.array(KWU, ACC)
+                        for ji in range(KW):
+                            ok = (x >= xlo) & (x < xhi) & ((cols >> ji) & 1 == 1)
+                            tv[ji] = ld(tptr, tb + x * DI + ji * DJ)[0] if ok else zero
+                        for ji in range(KW):
+                            rx += tv[ji]
+                    elif (x >= xlo) & (x < xhi):
                         for ji in range(kw):
                             if (cols >> ji) & 1:
                                 rx += ld(tptr, tb + x * DI + ji * DJ)[0]
@@ -733,7 +756,18 @@ if _IMPORT_ERROR is None:
                     rs = cuda.local.array(U, ACC)
                     for u in range(U):
                         rs[u] = zero
-                    for ji in range(kw):
+                    if KW:  # every column's loads, then the sums
+                        tv = cuda.local.array(KWU, ACC)
+                        for ji in range(KW):
+                            on = (cols >> ji) & 1 == 1
+                            for u in range(U):
+                                xu = x + u
+                                ok = on & (i0 + u < i0e) & (xu >= xlo) & (xu < xhi)
+                                tv[ji * U + u] = ld(tptr, tb + xu * DI + ji * DJ)[0] if ok else zero
+                        for ji in range(KW):
+                            for u in range(U):
+                                rs[u] += tv[ji * U + u]
+                    for ji in range(0 if KW else kw):
                         if (cols >> ji) & 1:
                             tv = cuda.local.array(U, ACC)
                             for u in range(U):
@@ -790,6 +824,7 @@ if _IMPORT_ERROR is None:
         # not for 16-bit out, whose kernel sits at the 64-register edge of 4 blocks a
         # multiprocessor (big-f16's update 1689-1694 -> 1701-1706 us with them).
         div = _div if FAST_DIV and OT.bitwidth > 16 else _div64
+        tdiv = div if DIV32 else _div64  # 16-bit out: 64-bit (1689 -> 1697 us, ab28.py)
         PV, PCW = P * V, P * CH * NW  # constants: the size of a local array must be one
         WT = nbt.uint32 if RAW else OT
         EW = V // NW  # elements a word of ov
@@ -805,10 +840,10 @@ if _IMPORT_ERROR is None:
             ntiles = geo[0] * G * ncb * tiles
             tile = cuda.blockIdx.x
             while tile < ntiles:  # block-uniform
-                r1 = tile // tiles  # neighbouring blocks: neighbouring memory
+                r1 = tdiv(tile, tiles)  # neighbouring blocks: neighbouring memory
                 tin = tile - r1 * tiles
-                bg = r1 // ncb
-                b = bg // G
+                bg = tdiv(r1, ncb)
+                b = tdiv(bg, G)
                 cb = r1 - bg * ncb
                 c0 = (bg - b * G) * Cog + cb * CH
                 nch = min(CH, Cog - cb * CH)  # channels of this tile
@@ -1486,7 +1521,9 @@ def _plan(p, dev_id):
                 (_T, _GAMMA, gbase, gst, has_g, _MU, mbase, mst, geo, n, zero))
         if SBOX_WALK and p.sh == 1 and p.dh == 1 and p.kh <= WALK_KMAX:
             n = p.B * p.G * (2 * p.Ho - 1) * p.Wo * p.Wo
-            kh = 3 if p.kh == 3 else 0  # compiled for the usual height, else for any
+            kh = 3 if p.kh == 3 else 0  # compiled for the usual shapes, else for any
+            if kh == 3 and p.kw == 3 and WALK_KW:
+                kh = 33
             add("sbox_walk", (), kh, -(-n // THREADS), (_S, _T, geo, n, zero))
         else:
             add("sbox", (), 1, -(-n_s // THREADS), (_S, _T, geo, n_s, zero))

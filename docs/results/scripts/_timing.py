@@ -1,7 +1,12 @@
-"""Shared by the A/B scripts here: a call's whole time and its GPU part, alternately."""
+"""Shared by the A/B scripts here: a call's whole time and its GPU part, alternately;
+per-kernel times; one printed row of all three."""
 import statistics as st
 
 import torch
+
+#: Kernel names as the profiler reports them, shortened to these (first match wins).
+TAGS = ("cc_gsum", "cc_sbox_walk", "cc_sbox", "cc_stream", "cc_direct",
+        "gsum", "sbox_walk", "sbox", "stream", "direct")
 
 
 def measure(f, n=40):
@@ -19,3 +24,66 @@ def measure(f, n=40):
         torch.cuda.synchronize()
         (gpu if hide else whole).append(e0.elapsed_time(e1) * 1e3)
     return st.median(whole), st.median(gpu)
+
+
+def kernels(f, n=5, synced=False):
+    """Per-kernel GPU time of f (torch profiler), averaged over n calls: queued back to
+    back, or each after an empty queue (synced)."""
+    f(); torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            if synced:
+                torch.cuda.synchronize()
+            f()
+        torch.cuda.synchronize()
+    out = []
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if t > 0:
+            out.append(f"{next((g for g in TAGS if g in e.key), e.key[:20])} {t/n:.1f}")
+    return ", ".join(out)
+
+
+def row(dev, f, w, bw, n=40):
+    """f warmed up, then timed the bench's way (dev.time_calls), as measure() does, and
+    per kernel: one line's worth."""
+    for _ in range(3):
+        f()
+    bm = st.median(dev.time_calls(f, 60, 1.0)) * 1e6
+    wh, gp = measure(f, n)
+    return (f"bench {bm:8.1f} us ({w.floor_bytes()/bw/bm*1e6:5.3f}) whole {wh:8.1f} "
+            f"gpu {gp:8.1f}  [{kernels(f)}]")
+
+
+def abab(dev, bw, names, backends, set_flag, label, flags=(False, True), rounds=2, n=40):
+    """For each workload in ``names`` and each backend: ``rounds`` passes over ``flags``,
+    ``set_flag(backend, flag)`` before each, one row() line each; then whether every
+    flag gave the same bits (else the largest difference from the first flag's result).
+    Leaves each backend at the last flag."""
+    import convcov
+    from convcov import bench
+
+    workloads = {w.name: w for w in bench.WORKLOADS}
+    for name in names:
+        w = workloads[name]
+        x = bench._inputs(dev, w)
+        base = x["out"].clone()
+        for be in backends:
+            outs = {}
+            for rnd in range(rounds):
+                for flag in flags:
+                    set_flag(be, flag)
+                    o = base.clone()
+                    convcov.accumulate(o, x["gamma"], x["mu"], x["c"], w.k, backend=be)
+                    outs[flag] = o
+                    f = lambda: convcov.accumulate(x["out"], x["gamma"], x["mu"], x["c"], w.k,  # noqa: E731
+                                                   backend=be)
+                    print(f"{name:8s} {be:10s} {label}={flag!s:6s} r{rnd}: {row(dev, f, w, bw, n)}",
+                          flush=True)
+            first = outs[flags[0]]
+            diff = max((o.double() - first.double()).abs().max().item() for o in outs.values())
+            print(f"   {name} {be}: " + ("same bits every way" if diff == 0 else
+                                         f"max |difference| from {flags[0]}: {diff:.2e}"), flush=True)
+            set_flag(be, flags[-1])
+        x = base = None  # free this workload's arrays before the next one's
+        torch.cuda.empty_cache()

@@ -3,7 +3,7 @@ backends, ABAB in one process: whole call the bench's way, the GPU part (host hi
 behind a sleep kernel), per-kernel times, bit-equality."""
 import statistics as st, sys
 import torch, convcov
-from _timing import measure
+from _timing import kernels, measure
 from convcov import bench, _frontend
 from convcov.backends import cupy as cb, numba_cuda as nc
 
@@ -12,26 +12,6 @@ bw = dev.copy_bandwidth()
 print(f"copy bandwidth {bw/1e9:.0f} GB/s", flush=True)
 WL = {w.name: w for w in bench.WORKLOADS}
 
-
-def kernels(f, n=5):
-    """Per-kernel GPU time of f (torch profiler), averaged over n calls."""
-    f(); torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(n):
-            f()
-        torch.cuda.synchronize()
-    out = []
-    for e in prof.key_averages():
-        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
-        if t > 0:
-            k = e.key
-            for tag in ("cc_gsum", "cc_sbox_walk", "cc_sbox", "cc_stream", "cc_direct",
-                        "gsum", "sbox_walk", "sbox", "stream", "direct"):
-                if tag in k:
-                    k = tag
-                    break
-            out.append(f"{k} {t/n:.0f}")
-    return ", ".join(out)
 
 OPT = cb._OPTIONS
 def back(be, flag):
