@@ -111,15 +111,10 @@ enum { DT_F16 = 0, DT_BF16 = 1, DT_F32 = 2, DT_F64 = 3 };
 """ + _ARGS_STRUCT + r"""
 #define THREADS 256
 #define UNROLL 4          // loads in flight per thread in the streaming loops
-// cc_gsum's blocks a multiprocessor, named to ptxas (0: none named), and its step form
-// (GSUM_PAIRWISE 1: a step's gamma terms summed pairwise after all its loads; 0: channel
-// by channel, as before 2026-11-30's eighth session). A/B knobs (CupyBackend's compile
-// options, -D...), see cc_gsum.
+// cc_gsum's blocks a multiprocessor, named to ptxas (0: none named): an A/B knob
+// (CupyBackend's compile options, -D...), see cc_gsum.
 #ifndef GSUM_MIN_BLOCKS
 #define GSUM_MIN_BLOCKS 0
-#endif
-#ifndef GSUM_PAIRWISE
-#define GSUM_PAIRWISE 1
 #endif
 #if GSUM_MIN_BLOCKS > 0
 #define GSUM_BOUNDS __launch_bounds__(THREADS, GSUM_MIN_BLOCKS)
@@ -468,33 +463,12 @@ __global__ void GSUM_BOUNDS cc_gsum(const Args a) {
     i64 ci = 0;
     // UNROLL channels a step, every load of the step (gamma's from DRAM, mu's from the
     // caches) issued before the first sum, the values kept raw until then, and the
-    // step's gamma terms summed pairwise. Summed channel by channel (GSUM_PAIRWISE 0),
-    // ptxas placed the fourth gamma load and the loads of mu between the sums (sm_90
-    // SASS), each waiting for the data before it: big-f16's cc_gsum 1074 -> 1051 us on
-    // the H200 (2026-11-30, docs/results/scripts/ab29.py; float32 2045 -> 2047, mid
-    // 38.7 -> 38.3). The step then takes 89 registers for float16 (2 blocks a
-    // multiprocessor): naming 4 blocks (64 registers) spilled and took 1115 us.
-#if !GSUM_PAIRWISE
-    for (; ci + UNROLL <= a.Cg; ci += UNROLL) {
-      Tg gv[UNROLL][V];
-      if (gamma) {
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) ldv<Tg, V, 1>(gamma + og + u * a.sg1, gv[u]);
-      }
-#pragma unroll
-      for (int u = 0; u < UNROLL; ++u) {
-        Acc mc[V];
-        const Acc mr = Ld<Acc, Tm>::one(mu, om_row + u * a.sm1, dt_mu);
-        Ld<Acc, Tm>::template vec<V>(mu, om_col + u * a.sm1, dt_mu, mc);
-#pragma unroll
-        for (int e = 0; e < V; ++e) {
-          Acc s = gamma ? aadd(acc[e], Cv<Acc>::from(gv[u][e])) : acc[e];
-          acc[e] = afma(mr, mc[e], s);
-        }
-      }
-      og += UNROLL * a.sg1; om_row += UNROLL * a.sm1; om_col += UNROLL * a.sm1;
-    }
-#else
+    // step's gamma terms summed pairwise. Summed channel by channel (until commit
+    // d9814ea), ptxas placed the fourth gamma load and the loads of mu between the
+    // sums (sm_90 SASS), each waiting for the data before it: big-f16's cc_gsum
+    // 1074 -> 1051 us on the H200 (2026-11-30, docs/results/scripts/ab29.py; float32
+    // 2045 -> 2047, mid 38.7 -> 38.3). The step takes 89 registers for float16 (2 blocks
+    // a multiprocessor): naming 4 blocks (64 registers) spilled and took 1115 us.
     for (; ci + UNROLL <= a.Cg; ci += UNROLL) {
       Raw<Tg, V> gr[UNROLL];
       MuPair<Acc, Tm, V> mp[UNROLL];
@@ -503,8 +477,6 @@ __global__ void GSUM_BOUNDS cc_gsum(const Args a) {
       if (gamma) {
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) ldraw<Tg, V, 1>(gamma + og + u * a.sg1, gr[u]);
-      }
-      if (gamma) {  // the step's gamma terms summed pairwise: every gamma load first
         Tg gv[UNROLL][V];
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) unpack<Tg, V>(gr[u], gv[u]);
@@ -530,7 +502,6 @@ __global__ void GSUM_BOUNDS cc_gsum(const Args a) {
       }
       og += UNROLL * a.sg1; om_row += UNROLL * a.sm1; om_col += UNROLL * a.sm1;
     }
-#endif
     for (; ci < a.Cg; ++ci) {
       Tg gv[V];
       if (gamma) ldv<Tg, V, 1>(gamma + og, gv);

@@ -2,7 +2,8 @@
 gamma terms summed pairwise) against the channel-by-channel step (0), with 4, 3 or no
 blocks a multiprocessor named to ptxas (GSUM_MIN_BLOCKS), ABAB in one process: whole
 call the bench's way, the GPU part, per-kernel times, and how far each variant's
-results are from the first's (the summation order differs)."""
+results are from the first's (the summation order differs). The "old" variant
+(GSUM_PAIRWISE=0) needs commit d9814ea: the channel-by-channel step was removed after."""
 import sys
 
 from _timing import abab
