@@ -1,0 +1,24 @@
+"""Prepared for the next device session, not yet run: numba_cuda's 3x3 walk with 8, 4
+or 2 steps a round (WALK_U). Locally (numba_sass.py, nvJitLink 13.5) the 3x3 walk takes
+136 registers at 8 steps (one block of 256 threads a multiprocessor), 84 at 4 (three),
+80 at 2 (three), no spills. ABAB in one process: whole call the bench's way, the GPU
+part, per-kernel times, bit-equality (the steps a round do not change the sums)."""
+import sys
+
+from _timing import abab
+from convcov import bench, _frontend
+from convcov.backends import numba_cuda as nc
+
+
+def steps(be, u):
+    nc.WALK_U = int(u)
+    nc._compiled.clear(); nc._device_kernels.clear(); nc._plans.clear()
+    _frontend._bound.clear()
+
+
+dev = bench._Cuda()
+bw = dev.copy_bandwidth()
+print(f"copy bandwidth {bw/1e9:.0f} GB/s", flush=True)
+names = sys.argv[1].split(",") if len(sys.argv) > 1 else ["big-f16", "mid", "big-f32"]
+abab(dev, bw, names, ("numba_cuda",), steps, "WALK_U", flags=("8", "4", "2"))
+steps("numba_cuda", "8")
