@@ -502,6 +502,40 @@ def test_cuda_source_on_host(host_kernels, monkeypatch, case, dtype, forced, for
     _check(out, g, mu, c, k, conv, run=run)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16", "float64"])
+@pytest.mark.parametrize("padding", [(0, 0), (1, 2), (2, 1)])
+def test_walk_width_compiled_in_gives_the_same_bits(host_kernels, monkeypatch, dtype, padding):
+    """The 3x3 walk with its width a compile-time constant (KW = 3: every column's loads
+    first, the terms outside the input added as zeros) gives the bits of the walk that
+    reads the width at run time (KW = 0: those terms left out), on the host build; zeros
+    and Inf in mu reach the sums."""
+    from convcov import _frontend
+    from convcov.backends import cupy as mod
+
+    monkeypatch.setattr(mod, "_DIRECT_TERMS", -1)
+    monkeypatch.setattr(mod, "_DIRECT_RATIO", 0)
+    monkeypatch.setattr(mod, "_SBOX_WALK", True)
+    rng = np.random.default_rng(11)
+    out, g, mu, c, k, conv = _problem(rng, "numpy", [dtype] * 4, ["contiguous"] * 3, B=2,
+                                      Ci=4, Co=4, G=2, H=9, W=8, k=(3, 3), padding=padding,
+                                      gamma="diag")
+    mu[0, 1, 2, :3] = 0.0
+    mu[1, 0, 4, 5] = -0.0
+    mu[1, 3, 0, 0] = np.inf
+    results = {}
+    for kw in (False, True):
+        monkeypatch.setattr(mod, "_WALK_KW", kw)
+        o = out.copy()
+        p = _frontend.normalise(o, g, mu, c, k, conv["stride"], conv["padding"],
+                                conv["dilation"], conv["groups"])
+        names = _run_on_host(host_kernels, p, (4, 256))
+        assert any(n.startswith(f"cc_sbox_walk<{'double' if dtype == 'float64' else 'float'}, 3, "
+                                f"{3 if kw else 0},") for n in names), names
+        results[kw] = o
+    assert results[False].tobytes() == results[True].tobytes()
+    assert np.isinf(results[True]).any()  # the Inf reached out: the sums saw it
+
+
 @pytest.mark.parametrize("seed", range(40))
 def test_cuda_source_on_host_random(host_kernels, monkeypatch, seed):
     """Random sizes, conv parameters, dtype mixes, layouts (permuted, strided), paths and

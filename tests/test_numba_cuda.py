@@ -291,6 +291,39 @@ def test_vector_widths(monkeypatch, dtype, full_out, misaligned, widths):
 
 
 @available
+@pytest.mark.parametrize("padding", [(0, 0), (1, 2)])
+def test_walk_width_compiled_in_gives_the_same_bits(monkeypatch, padding):
+    """The 3x3 walk compiled with its width (V = 33: every column's loads first, the terms
+    outside the input added as zeros) gives the bits of the walk that reads the width at
+    run time (V = 3: those terms left out); zeros and Inf in mu reach the sums."""
+    from convcov.backends import numba_cuda as mod
+
+    monkeypatch.setattr(mod, "DIRECT_TERMS", -1)
+    monkeypatch.setattr(mod, "DIRECT_RATIO", -1)
+    monkeypatch.setattr(mod, "SBOX_WALK", True)
+    rng = np.random.default_rng(12)
+    out, g, mu, c, k, conv = _problem(rng, 1, 2, 2, 6, 5, (3, 3), False, "diag",
+                                      padding=padding)
+    mu[0, 0, 2, :3] = 0.0
+    mu[0, 1, 4, 1] = -0.0
+    mu[0, 1, 0, 0] = np.inf
+    kind = KINDS[0]
+    results = {}
+    for kw in (False, True):
+        monkeypatch.setattr(mod, "WALK_KW", kw)
+        monkeypatch.setattr(mod, "_plans", {})
+        monkeypatch.setattr(_frontend, "_bound", {})
+        o = make(out, kind, "float32")
+        convcov.accumulate(o, make(g, kind, "float32"), make(mu, kind, "float32"),
+                           make(c, kind, "float32"), k, backend="numba_cuda", **conv)
+        (plan,) = mod._plans.values()
+        assert {ln.name: ln.V for ln in plan.launches}["sbox_walk"] == (33 if kw else 3)
+        results[kw] = to_f64(o)
+    assert results[False].tobytes() == results[True].tobytes()
+    assert np.isinf(results[True]).any()  # the Inf reached out: the sums saw it
+
+
+@available
 def test_padding_next_to_inf(path):
     """A term with a position in the padding is absent, not 0 * Inf = NaN."""
     mu = np.random.default_rng(6).random((1, 1, 3, 3))
