@@ -296,8 +296,13 @@ def _check(out_i, gamma_i, mu_i, c_i, kernel_size, stride, padding, dilation, gr
     for _, a in arrays:
         if a.dtype == "float64":
             acc = "float64"
-    spans = tuple(None if a is None else _arrays.span(a) for a in (out_i, gamma_i, mu_i, c_i))
-    return G, kh, kw, sh, sw, ph, pw, dh, dw, B, Ci, Co, H, W, Ho, Wo, acc, spans
+    return G, kh, kw, sh, sw, ph, pw, dh, dw, B, Ci, Co, H, W, Ho, Wo, acc, _spans(
+        out_i, gamma_i, mu_i, c_i)
+
+
+def _spans(*infos):
+    """Each array's byte span from its address (``_arrays.span``), None for an absent one."""
+    return tuple(None if i is None else _arrays.span(i) for i in infos)
 
 
 def _device_str(device):
@@ -407,10 +412,9 @@ def _noop(*args):
 
 def _bind(b: _registry.Backend, p: Problem):
     """The fast path's entry for p's signature: None when the backend cannot bind."""
-    spans = tuple(None if i is None else _arrays.span(i)
-                  for i in (p.out_info, p.gamma_info, p.mu_info, p.c_info))
     run = _noop if p.empty else b.bind(p)
-    return None if run is None else _Bound(run, spans)
+    return None if run is None else _Bound(
+        run, _spans(p.out_info, p.gamma_info, p.mu_info, p.c_info))
 
 
 def _torch_fast(out, gamma, mu, c, kernel_size, stride, padding, dilation, groups, backend):

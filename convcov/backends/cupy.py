@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import array
 import struct
-import sys
 import threading
 
 from .._arrays import contiguous, current_stream, diag_strides, torch_scratch, vector_width
@@ -1372,27 +1371,37 @@ class CupyBackend(Backend):
             ready.add(dev)
         return cp, dev, (prev if dev != prev else None)
 
-    def accumulate(self, p) -> None:
-        cp, dev, prev = self._enter(p.device)
+    def _on_device(self, device, fn, *args):
+        """fn(device id, *args) with the arrays' device current (restored after); its result."""
+        cp, dev, prev = self._enter(device)
         try:
-            self._launch(self._plan_of(p, dev), p.kind, dev, p.out_info.ptr,
-                         0 if p.gamma_info is None else p.gamma_info.ptr, p.mu_info.ptr,
-                         0 if p.c_info is None else p.c_info.ptr, p.c_value)
+            return fn(dev, *args)
         finally:
             if prev is not None:
                 cp.cuda.runtime.setDevice(prev)
 
-    def _plan_of(self, p, dev):
-        key = (dev, p.layout_key())  # everything but the addresses
+    def accumulate(self, p) -> None:
+        self._on_device(p.device, self._run, p)
+
+    def _run(self, dev, p):
+        self._launch(dev, self._plan_of(dev, p), p.kind, p.out_info.ptr,
+                     0 if p.gamma_info is None else p.gamma_info.ptr, p.mu_info.ptr,
+                     0 if p.c_info is None else p.c_info.ptr, p.c_value)
+
+    def _cached(self, key, make, *args):
+        """The plan cached under ``key``, made by make(*args) the first time."""
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plan(p, dev)
+            plan = make(*args)
             if len(self._plans) > 512:  # many shapes: start over rather than grow
                 self._plans.clear()
             self._plans[key] = plan
         return plan
 
-    def _launch(self, plan, kind, dev, optr, gptr, mptr, cptr, c_value):
+    def _plan_of(self, dev, p):
+        return self._cached((dev, p.layout_key()), self._plan, p, dev)  # all but addresses
+
+    def _launch(self, dev, plan, kind, optr, gptr, mptr, cptr, c_value):
         """Launch a plan on ``dev`` (current) on the arrays' library's current stream:
         the addresses of out, gamma, mu and c (0 for an absent gamma, which the kernels
         test, and for a number c, which they then take from c_value)."""
@@ -1421,57 +1430,38 @@ class CupyBackend(Backend):
         scratch and launches."""
         if p.device[1] is None:
             return None
-        cp, dev, prev = self._enter(p.device)
-        try:
-            plan = self._plan_of(p, dev)  # compiled and loaded on the device already
-        finally:
-            if prev is not None:
-                cp.cuda.runtime.setDevice(prev)
-        device, kind, launch, enter = p.device, p.kind, self._launch, self._enter
+        plan = self._on_device(p.device, self._plan_of, p)  # compiled and loaded there
+        device, kind, on_device, launch = p.device, p.kind, self._on_device, self._launch
 
         def run(out, gamma, mu, c, optr, gptr, mptr, cptr, c_value):
-            cp, dev, prev = enter(device)
-            try:
-                launch(plan, kind, dev, optr, gptr, mptr, cptr, c_value)
-            finally:
-                if prev is not None:
-                    cp.cuda.runtime.setDevice(prev)
+            on_device(device, launch, plan, kind, optr, gptr, mptr, cptr, c_value)
 
         return run
 
     def patch_moment_vjp(self, a) -> None:
         """The backward (docs/autograd.md's contract, docs/cupy.md "Backward"): overwrite
         ``a.grad_mu`` and the channel-diagonal of ``a.grad_gamma`` (each may be None)."""
-        cp, dev, prev = self._enter(a.device)
+        self._on_device(a.device, self._run_vjp, a)
+
+    def _run_vjp(self, dev, a):
         gg, gm, mi, si = a.grad_gamma_info, a.grad_mu_info, a.mu_info, a.grad_S_info
-        try:
-            key = ("vjp", dev, a.acc, a.kh, a.kw, a.sh, a.sw, a.ph, a.pw, a.dh, a.dw, a.G,
-                   a.full_gamma, si.dtype, si.shape, si.strides, mi.dtype, mi.shape,
-                   mi.strides,
-                   None if gg is None else (gg.dtype, gg.shape, gg.strides, gg.ptr & 15),
-                   None if gm is None else (gm.dtype, gm.shape, gm.strides))
-            plan = self._plans.get(key)
-            if plan is None:
-                plan = self._vjp_plan(a, dev)
-                if len(self._plans) > 512:
-                    self._plans.clear()
-                self._plans[key] = plan
-            stream = current_stream(a.kind, dev)
-            buf, base = self._scratch(a.kind, plan, dev, stream) if plan.scratch else (
-                None, 0)
-            ptrs = _vjp_pointers(a, plan, base)
-            launch_kernel = cp.cuda.driver.launchKernel
-            for ln in plan.launches:
-                args = ln.args[:]
-                for slot, ptr in zip(_VJP_PTR_SLOTS, ptrs):
-                    args[slot] = ptr
-                params = array.array("Q", (args.buffer_info()[0],))
-                launch_kernel(ln.func, ln.grid, 1, 1, _THREADS, 1, 1, 0, stream,
-                              params.buffer_info()[0], 0)
-            del buf  # back to its stream-ordered pool, behind our kernels
-        finally:
-            if prev is not None:
-                cp.cuda.runtime.setDevice(prev)
+        key = ("vjp", dev, a.acc, a.kh, a.kw, a.sh, a.sw, a.ph, a.pw, a.dh, a.dw, a.G,
+               a.full_gamma, si.dtype, si.shape, si.strides, mi.dtype, mi.shape, mi.strides,
+               None if gg is None else (gg.dtype, gg.shape, gg.strides, gg.ptr & 15),
+               None if gm is None else (gm.dtype, gm.shape, gm.strides))
+        plan = self._cached(key, self._vjp_plan, a, dev)
+        stream = current_stream(a.kind, dev)
+        buf, base = self._scratch(a.kind, plan, dev, stream) if plan.scratch else (None, 0)
+        ptrs = _vjp_pointers(a, plan, base)
+        launch_kernel = self._cp.cuda.driver.launchKernel
+        for ln in plan.launches:
+            args = ln.args[:]
+            for slot, ptr in zip(_VJP_PTR_SLOTS, ptrs):
+                args[slot] = ptr
+            params = array.array("Q", (args.buffer_info()[0],))
+            launch_kernel(ln.func, ln.grid, 1, 1, _THREADS, 1, 1, 0, stream,
+                          params.buffer_info()[0], 0)
+        del buf  # back to its stream-ordered pool, behind our kernels
 
 
 backend = CupyBackend()

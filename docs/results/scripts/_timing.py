@@ -55,6 +55,30 @@ def row(dev, f, w, bw, n=40):
             f"gpu {gp:8.1f}  [{kernels(f)}]")
 
 
+def knob(cupy=None, numba_cuda=None, recompile=False, convert=lambda v: v):
+    """A set_flag for abab: sets module attribute ``cupy`` of convcov.backends.cupy or
+    ``numba_cuda`` of convcov.backends.numba_cuda to convert(value) for that backend, and
+    drops what remembers the old value (plans, bound launchers; compiled kernels too
+    when ``recompile``: flags read when a kernel is made)."""
+    from convcov import _frontend
+    from convcov.backends import cupy as cb, numba_cuda as nc
+
+    def set_flag(be, value):
+        if be == "cupy":
+            setattr(cb, cupy, convert(value))
+            if recompile:
+                cb.backend._modules.clear(); cb.backend._functions.clear()
+            cb.backend._plans.clear()
+        else:
+            setattr(nc, numba_cuda, convert(value))
+            if recompile:
+                nc._compiled.clear(); nc._device_kernels.clear()
+            nc._plans.clear()
+        _frontend._bound.clear()
+
+    return set_flag
+
+
 def abab(dev, bw, names, backends, set_flag, label, flags=(False, True), rounds=2, n=40):
     """For each workload in ``names`` and each backend: ``rounds`` passes over ``flags``,
     ``set_flag(backend, flag)`` before each, one row() line each; then whether every

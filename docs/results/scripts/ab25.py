@@ -5,24 +5,12 @@ times, bit-equality of the two layouts' results. Runs on commit ea08a59 with
 t-skew.patch (here) applied; the change was measured slower and not kept."""
 import sys
 
-from _timing import abab
-from convcov import bench, _frontend
-from convcov.backends import cupy as cb, numba_cuda as nc
-
-
-def skew(be, flag):
-    if be == "cupy":
-        cb._T_SKEW = flag
-        cb.backend._plans.clear()
-    else:
-        nc.T_SKEW = flag
-        nc._plans.clear()
-    _frontend._bound.clear()
-
+from _timing import abab, knob
+from convcov import bench
 
 dev = bench._Cuda()
 bw = dev.copy_bandwidth()
 print(f"copy bandwidth {bw/1e9:.0f} GB/s", flush=True)
 names = sys.argv[1].split(",") if len(sys.argv) > 1 else ["big-f16", "mid", "big-f32"]
-abab(dev, bw, names, ("cupy", "numba_cuda"), skew, "skew",
+abab(dev, bw, names, ("cupy", "numba_cuda"), knob("_T_SKEW", "T_SKEW"), "skew",
      rounds=int(sys.argv[2]) if len(sys.argv) > 2 else 2)

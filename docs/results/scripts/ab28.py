@@ -5,19 +5,11 @@ bit-equality. (As run, DIV32 also covered the float16 update's tile divisions; s
 without them, see performance.md.)"""
 import sys
 
-from _timing import abab
-from convcov import bench, _frontend
-from convcov.backends import numba_cuda as nc
-
-
-def div32(be, flag):
-    nc.DIV32 = flag
-    nc._compiled.clear(); nc._device_kernels.clear(); nc._plans.clear()
-    _frontend._bound.clear()
-
+from _timing import abab, knob
+from convcov import bench
 
 dev = bench._Cuda()
 bw = dev.copy_bandwidth()
 print(f"copy bandwidth {bw/1e9:.0f} GB/s", flush=True)
 names = sys.argv[1].split(",") if len(sys.argv) > 1 else ["mid", "big-f16", "big-f32"]
-abab(dev, bw, names, ("numba_cuda",), div32, "DIV32")
+abab(dev, bw, names, ("numba_cuda",), knob(numba_cuda="DIV32", recompile=True), "DIV32")

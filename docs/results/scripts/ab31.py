@@ -4,23 +4,11 @@ time, both backends, ABAB in one process: whole call the bench's way, the GPU pa
 per-kernel times, bit-equality."""
 import sys
 
-from _timing import abab
-from convcov import bench, _frontend
-from convcov.backends import cupy as cb, numba_cuda as nc
-
-
-def kw(be, flag):
-    if be == "cupy":
-        cb._WALK_KW = flag
-        cb.backend._plans.clear()
-    else:
-        nc.WALK_KW = flag
-        nc._plans.clear()
-    _frontend._bound.clear()
-
+from _timing import abab, knob
+from convcov import bench
 
 dev = bench._Cuda()
 bw = dev.copy_bandwidth()
 print(f"copy bandwidth {bw/1e9:.0f} GB/s", flush=True)
 names = sys.argv[1].split(",") if len(sys.argv) > 1 else ["big-f16", "mid", "big-f32"]
-abab(dev, bw, names, ("cupy", "numba_cuda"), kw, "KW", n=30)
+abab(dev, bw, names, ("cupy", "numba_cuda"), knob("_WALK_KW", "WALK_KW"), "KW", n=30)

@@ -5,20 +5,13 @@ or 2 steps a round (WALK_U). Locally (numba_sass.py, nvJitLink 13.5) the 3x3 wal
 part, per-kernel times, bit-equality (the steps a round do not change the sums)."""
 import sys
 
-from _timing import abab
-from convcov import bench, _frontend
-from convcov.backends import numba_cuda as nc
-
-
-def steps(be, u):
-    nc.WALK_U = int(u)
-    nc._compiled.clear(); nc._device_kernels.clear(); nc._plans.clear()
-    _frontend._bound.clear()
-
+from _timing import abab, knob
+from convcov import bench
 
 dev = bench._Cuda()
 bw = dev.copy_bandwidth()
 print(f"copy bandwidth {bw/1e9:.0f} GB/s", flush=True)
 names = sys.argv[1].split(",") if len(sys.argv) > 1 else ["big-f16", "mid", "big-f32"]
+steps = knob(numba_cuda="WALK_U", recompile=True, convert=int)
 abab(dev, bw, names, ("numba_cuda",), steps, "WALK_U", flags=("8", "4", "2"))
 steps("numba_cuda", "8")
