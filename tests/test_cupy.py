@@ -442,8 +442,11 @@ def _host_backend(sms):
 
 
 def _run_on_host(host_kernels, p, sms):
-    """The backend's plan for p (numpy arrays), launched on the host build."""
+    """The backend's plan for p (numpy arrays), launched on the host build; the launches'
+    Args filled in by the backend's own _fill (T after S, as _scratch lays them)."""
     import ctypes
+
+    from convcov.backends import cupy as mod
 
     lib, index = host_kernels
     plan = _host_backend(sms)._plan(p, 0)
@@ -451,12 +454,10 @@ def _run_on_host(host_kernels, p, sms):
     base = scratch.ctypes.data + (-scratch.ctypes.data) % 256
     c_bits = int(np.array(p.c_value, np.float64).view(np.int64))
     for ln in plan.launches:
-        args = np.array(ln.args, np.int64)
-        args[0], args[2] = p.out_info.ptr, p.mu_info.ptr
-        args[4], args[5] = base + plan.t_offset, base  # T after S, as _scratch lays them
-        args[1] = 0 if p.gamma_info is None else p.gamma_info.ptr
-        args[3] = 0 if p.c_info is None else p.c_info.ptr
-        args[-1] = c_bits
+        args = np.array(mod._fill(ln, p.out_info.ptr,
+                                  0 if p.gamma_info is None else p.gamma_info.ptr,
+                                  p.mu_info.ptr, 0 if p.c_info is None else p.c_info.ptr,
+                                  base + plan.t_offset, base, c_bits), np.int64)
         getattr(lib, f"run_{index[ln.func]}")(ctypes.c_void_p(args.ctypes.data),
                                               ctypes.c_longlong(ln.grid))
     return [ln.func for ln in plan.launches]

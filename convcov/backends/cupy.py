@@ -1020,9 +1020,11 @@ _STREAM_SU = 4  # cc_stream's vectors of out in flight a thread (STREAM_SU in SO
 #: dilation 1 and kh <= WALK_KMAX; else one thread an element (cc_sbox).
 _SBOX_WALK = True
 _WALK_KMAX = 7  # WALK_KMAX in SOURCE
-#: Steps a walk issues the loads of at once (U in SOURCE): 4 -> 8 took big's S from 165
-#: to 150 us on the H200 (2026-11-30, KH = 3).
-_WALK_U = 8
+#: Steps a walk issues the loads of at once (U in SOURCE). With the width read at run time
+#: 8 beat 4 (big's S 165 -> 150 us); with the 3x3 width compiled in, 4 steps (44
+#: registers) beat 8 (48), 16 (86) and 2 (48): big-f16's walk 115.5 -> 109 us (H200,
+#: 2026-11-30, ab32.py, ab35.py).
+_WALK_U = 4
 #: The 3x3 walk with its width a compile-time constant (KW = 3 in SOURCE: every column's
 #: loads of a round issued before their sums); False: the width read at run time.
 _WALK_KW = True
@@ -1068,6 +1070,20 @@ class _Launch:
 
     def __init__(self, func, grid, args):
         self.func, self.grid, self.args = func, grid, args
+
+
+def _fill(ln, optr, gptr, mptr, cptr, t_ptr, s_ptr, c_bits):
+    """A copy of ``ln``'s Args template with the call's addresses written in (the
+    launches' and the test suite's host build's one way to do it)."""
+    args = ln.args[:]
+    args[0] = optr
+    args[1] = gptr
+    args[2] = mptr
+    args[3] = cptr
+    args[4] = t_ptr
+    args[5] = s_ptr
+    args[-1] = c_bits
+    return args
 
 
 class _Plan:
@@ -1411,14 +1427,7 @@ class CupyBackend(Backend):
         c_bits = 0 if cptr else _INT64.unpack(_DOUBLE.pack(c_value))[0]
         launch_kernel = self._cp.cuda.driver.launchKernel
         for ln in plan.launches:
-            args = ln.args[:]  # a copy of the Args template; the addresses go in here
-            args[0] = optr
-            args[1] = gptr
-            args[2] = mptr
-            args[3] = cptr
-            args[4] = t_ptr
-            args[5] = s_ptr
-            args[-1] = c_bits
+            args = _fill(ln, optr, gptr, mptr, cptr, t_ptr, s_ptr, c_bits)
             params = array.array("Q", (args.buffer_info()[0],))  # void*[1] -> Args
             launch_kernel(ln.func, ln.grid, 1, 1, _THREADS, 1, 1, 0, stream,
                           params.buffer_info()[0], 0)

@@ -138,9 +138,11 @@ STREAM_P_16, STREAM_CH_16 = 1, 4
 #: 1 and kh <= WALK_KMAX (row sums kept in registers); else one thread an element (sbox).
 SBOX_WALK = True
 WALK_KMAX = 7
-#: Steps of a walk whose loads are issued together (cupy's cc_sbox_walk: 4 -> 8 took
-#: big's S from 165 to 150 us on the H200, 2026-11-30).
-WALK_U = 8
+#: Steps of a walk whose loads are issued together. LLVM hoists every load offset of a
+#: round out of the loop as a 64-bit constant: 8 steps took 136 registers (one block of
+#: 256 threads a multiprocessor), 4 took 84 and 2 took 80 (three blocks); big-f16's walk
+#: 163 -> 132 -> 124 us, mid's 9.0 -> 8.2 -> 7.6 us, same bits (H200, 2026-11-30, ab32.py).
+WALK_U = 2
 #: The walk takes the (b, g) planes last to first: the end of T, which gsum wrote last,
 #: is still in L2, and the S it leaves in L2 is the S the update reads first.
 WALK_BACKWARDS = True

@@ -55,6 +55,21 @@ def row(dev, f, w, bw, n=40):
             f"gpu {gp:8.1f}  [{kernels(f)}]")
 
 
+def rotating(sets, w, backend):
+    """A call of accumulate on ``backend`` that takes the next of ``sets`` (bench inputs
+    of workload ``w``) each time, as the bench rotates them."""
+    import convcov
+
+    turn = [0]
+
+    def f():
+        turn[0] = (turn[0] + 1) % len(sets)
+        x = sets[turn[0]]
+        convcov.accumulate(x["out"], x["gamma"], x["mu"], x["c"], w.k, backend=backend)
+
+    return f
+
+
 def knob(cupy=None, numba_cuda=None, recompile=False, convert=lambda v: v):
     """A set_flag for abab: sets module attribute ``cupy`` of convcov.backends.cupy or
     ``numba_cuda`` of convcov.backends.numba_cuda to convert(value) for that backend, and
