@@ -62,6 +62,15 @@ def test_import_of_convcov_does_not_import_numba_cuda():
 
 
 # ------------------------------------------------------------------ helpers
+def _forget_plans(monkeypatch):
+    """Empty plan and bound-launcher caches for this test: both remember what the flags
+    chose (the path, the launch mode, the walk's shape) when a signature was first seen."""
+    from convcov.backends import numba_cuda as mod
+
+    monkeypatch.setattr(mod, "_plans", {})
+    monkeypatch.setattr(_frontend, "_bound", {})
+
+
 @pytest.fixture(params=["direct", "three", "three-box"])
 def path(request, monkeypatch):
     """Force one kernel path: S straight from gamma and mu (one launch), or through the
@@ -73,8 +82,7 @@ def path(request, monkeypatch):
     monkeypatch.setattr(mod, "DIRECT_TERMS", 1 << 62 if direct else -1)
     monkeypatch.setattr(mod, "DIRECT_RATIO", 1 << 62 if direct else -1)
     monkeypatch.setattr(mod, "SBOX_WALK", request.param != "three-box")
-    monkeypatch.setattr(mod, "_plans", {})  # plans remember the path chosen
-    monkeypatch.setattr(_frontend, "_bound", {})  # ... and so do the bound launchers
+    _forget_plans(monkeypatch)
     return request.param
 
 
@@ -254,8 +262,7 @@ def test_packed_launch_matches_numbas_own(path, monkeypatch, form):
     results = []
     for fast in (True, False):
         monkeypatch.setattr(mod, "FAST_LAUNCH", fast)
-        monkeypatch.setattr(mod, "_plans", {})
-        monkeypatch.setattr(_frontend, "_bound", {})
+        _forget_plans(monkeypatch)
         out = cupy.asarray(out0, dtype=cupy.float16)[:, ::-1, :, ::-1, ::-1, :, ::-1]
         gg = None if g is None else cupy.asarray(g, dtype=cupy.float32)[..., ::-1]
         mm = cupy.asarray(mu, dtype=cupy.float32)[..., ::-1]
@@ -280,8 +287,7 @@ def test_vector_widths(monkeypatch, dtype, full_out, misaligned, widths):
     from convcov.backends import numba_cuda as mod
 
     monkeypatch.setattr(mod, "DIRECT_TERMS", -1)
-    monkeypatch.setattr(mod, "_plans", {})
-    monkeypatch.setattr(_frontend, "_bound", {})
+    _forget_plans(monkeypatch)
     rng = np.random.default_rng(5)
     out, g, mu, c, k, cv = _problem(rng, 1, 5, 2, 4, 4, (1, 1), full_out, "diag")
     _check(out, g, mu, c, k, cv, KINDS[0], (dtype,) * 4, misalign=misaligned)
@@ -311,8 +317,7 @@ def test_walk_width_compiled_in_gives_the_same_bits(monkeypatch, padding):
     results = {}
     for kw in (False, True):
         monkeypatch.setattr(mod, "WALK_KW", kw)
-        monkeypatch.setattr(mod, "_plans", {})
-        monkeypatch.setattr(_frontend, "_bound", {})
+        _forget_plans(monkeypatch)
         o = make(out, kind, "float32")
         convcov.accumulate(o, make(g, kind, "float32"), make(mu, kind, "float32"),
                            make(c, kind, "float32"), k, backend="numba_cuda", **conv)
