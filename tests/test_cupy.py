@@ -507,9 +507,9 @@ def test_cuda_source_on_host(host_kernels, monkeypatch, case, dtype, forced, for
 @pytest.mark.parametrize("padding", [(0, 0), (1, 2), (2, 1)])
 def test_walk_width_compiled_in_gives_the_same_bits(host_kernels, monkeypatch, dtype, padding):
     """The 3x3 walk with its width a compile-time constant (KW = 3: every column's loads
-    first, the terms outside the input added as zeros) gives the bits of the walk that
-    reads the width at run time (KW = 0: those terms left out), on the host build; zeros
-    and Inf in mu reach the sums."""
+    first, the terms outside the input added as zeros, inner rounds without bounds tests)
+    gives the bits of the walk that reads the width at run time (KW = 0: those terms left
+    out, every round tested), on the host build; zeros and Inf in mu reach the sums."""
     from convcov import _frontend
     from convcov.backends import cupy as mod
 

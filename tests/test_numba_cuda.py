@@ -300,8 +300,9 @@ def test_vector_widths(monkeypatch, dtype, full_out, misaligned, widths):
 @pytest.mark.parametrize("padding", [(0, 0), (1, 2)])
 def test_walk_width_compiled_in_gives_the_same_bits(monkeypatch, padding):
     """The 3x3 walk compiled with its width (V = 33: every column's loads first, the terms
-    outside the input added as zeros) gives the bits of the walk that reads the width at
-    run time (V = 3: those terms left out); zeros and Inf in mu reach the sums."""
+    outside the input added as zeros, inner rounds without bounds tests) gives the bits of
+    the walk that reads the width at run time (V = 3: those terms left out, every round
+    tested); zeros and Inf in mu reach the sums."""
     from convcov.backends import numba_cuda as mod
 
     monkeypatch.setattr(mod, "DIRECT_TERMS", -1)

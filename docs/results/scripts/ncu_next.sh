@@ -1,5 +1,6 @@
 #!/bin/bash
-# Prepared in the ninth session for the next device session (not yet run): ncu on the two
+# Prepared in the ninth session, run in the tenth (output in h200-2026-11-30-ab-10th-session.log,
+# which led to the walks' inner rounds, ab42.py): ncu on the two
 # kernels that limit issues 4 and 5 now, each backend's against the other's.
 #  * the 3x3 walk on big-f16 (cupy 109 us, numba_cuda 124 us, for 237 MB of T and S):
 #    what bounds it (DRAM bytes and throughput, L1/L2 hit rates, warp stalls)?
