@@ -684,7 +684,7 @@ __global__ void __launch_bounds__(THREADS) cc_sbox_walk(const Args a) {
         for (int ji = 0; ji < KWA; ++ji) r = aadd(r, tv[ji][u]);
         Acc s = (Acc)0;
 #pragma unroll
-        for (int v = 0; v < R; ++v) s = aadd(s, ring[v]);
+        for (int v = 0; v < R; ++v) if (KH > 0 || v < kh - 1) s = aadd(s, ring[v]);
         Sr[u * DS32] = aadd(s, r);
         ring_push<Acc, KH, RS>(ring, r, kh);
       }
