@@ -1123,6 +1123,13 @@ def _fill(ln, optr, gptr, mptr, cptr, t_ptr, s_ptr, c_bits):
     return args
 
 
+def _cu_launch(launch_kernel, ln, args, stream):
+    """cuLaunchKernel (CuPy's driver binding ``launch_kernel``) of ``ln`` with its filled
+    ``args`` (an Args struct, passed as the kernel's one parameter) on ``stream``."""
+    params = array.array("Q", (args.buffer_info()[0],))  # void*[1] -> Args
+    launch_kernel(ln.func, ln.grid, 1, 1, _THREADS, 1, 1, 0, stream, params.buffer_info()[0], 0)
+
+
 class _Plan:
     """The launches of one call signature, and the scratch they need: ``scratch``
     elements of the accumulation type, S first (padded to 256 bytes), T at ``t_offset``
@@ -1464,10 +1471,8 @@ class CupyBackend(Backend):
         c_bits = 0 if cptr else _INT64.unpack(_DOUBLE.pack(c_value))[0]
         launch_kernel = self._cp.cuda.driver.launchKernel
         for ln in plan.launches:
-            args = _fill(ln, optr, gptr, mptr, cptr, t_ptr, s_ptr, c_bits)
-            params = array.array("Q", (args.buffer_info()[0],))  # void*[1] -> Args
-            launch_kernel(ln.func, ln.grid, 1, 1, _THREADS, 1, 1, 0, stream,
-                          params.buffer_info()[0], 0)
+            _cu_launch(launch_kernel, ln, _fill(ln, optr, gptr, mptr, cptr, t_ptr, s_ptr, c_bits),
+                       stream)
         del buf  # back to its stream-ordered pool: reuse is ordered after our kernels
 
     def bind(self, p):
@@ -1504,9 +1509,7 @@ class CupyBackend(Backend):
             args = ln.args[:]
             for slot, ptr in zip(_VJP_PTR_SLOTS, ptrs):
                 args[slot] = ptr
-            params = array.array("Q", (args.buffer_info()[0],))
-            launch_kernel(ln.func, ln.grid, 1, 1, _THREADS, 1, 1, 0, stream,
-                          params.buffer_info()[0], 0)
+            _cu_launch(launch_kernel, ln, args, stream)
         del buf  # back to its stream-ordered pool, behind our kernels
 
 
