@@ -261,7 +261,7 @@ class _RawBlock:
 _torch_raw = None  # (raw_alloc, raw_delete, current device) of torch._C, or () if missing
 
 
-def torch_scratch(nbytes: int, dev: int, stream: int):
+def torch_scratch(nbytes: int, dev: int, stream: int, current: bool = False):
     """``nbytes`` of scratch on CUDA device ``dev`` from torch's caching allocator, ordered
     on ``stream`` (the launch stream): (owner, address). Dropping the owner after the
     launches returns the memory to the stream's pool, where only work queued behind them
@@ -271,7 +271,8 @@ def torch_scratch(nbytes: int, dev: int, stream: int):
     Through torch's raw allocator entry points when ``dev`` is torch's current device:
     two C calls instead of ``torch.empty``'s argument parsing and tensor, 2-3 µs less on a
     call's way to its first launch (the GPU backends' ``mid``, 2026-11-30). Else, and on
-    builds without them, a ``torch.empty`` tensor.
+    builds without them, a ``torch.empty`` tensor. ``current``: the caller has just made
+    ``dev`` the current device (no need to ask).
     """
     global _torch_raw
     torch = sys.modules["torch"]
@@ -282,7 +283,7 @@ def torch_scratch(nbytes: int, dev: int, stream: int):
                  "_cuda_getDevice")
         raw = _torch_raw = (tuple(getattr(C, n) for n in names)
                             if all(hasattr(C, n) for n in names) else ())
-    if raw and raw[2]() == dev:
+    if raw and (current or raw[2]() == dev):
         block = _RawBlock(raw[0](max(nbytes, 1), stream))
         return block, block.ptr
     t = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=torch.device("cuda", dev))
@@ -292,21 +293,26 @@ def torch_scratch(nbytes: int, dev: int, stream: int):
 _torch_stream = None  # function: device -> raw handle of torch's current stream
 
 
+def torch_stream_getter():
+    """device -> raw handle of torch's current stream on it: torch's own C entry point,
+    which builds no torch.cuda.Stream object (what torch's compiled code uses), or the
+    public API where it is missing."""
+    global _torch_stream
+    get = _torch_stream
+    if get is None:
+        torch = sys.modules["torch"]
+        get = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
+            lambda d: torch.cuda.current_stream(d).cuda_stream)
+        _torch_stream = get
+    return get
+
+
 def current_stream(kind: str, dev) -> int:
     """Raw handle of the stream a GPU backend launches on: the current stream of the
     arrays' library on device ``dev`` (torch's for torch tensors, CuPy's for CuPy arrays),
     the legacy default stream (0) for other ``__cuda_array_interface__`` producers."""
-    global _torch_stream
     if kind == "torch":
-        get = _torch_stream
-        if get is None:
-            torch = sys.modules["torch"]
-            # The raw handle without building a torch.cuda.Stream object (what torch's
-            # own compiled code uses); the public API where it is missing.
-            get = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
-                lambda d: torch.cuda.current_stream(d).cuda_stream)
-            _torch_stream = get
-        return get(dev)
+        return (_torch_stream or torch_stream_getter())(dev)
     if kind == "cupy":
         return sys.modules["cupy"].cuda.get_current_stream(-1 if dev is None else dev).ptr
     return 0

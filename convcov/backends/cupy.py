@@ -56,7 +56,8 @@ import array
 import struct
 import threading
 
-from .._arrays import contiguous, current_stream, diag_strides, torch_scratch, vector_width
+from .._arrays import (contiguous, current_stream, diag_strides, torch_scratch,
+                       torch_stream_getter, vector_width)
 from .._registry import Backend
 
 #: Dtype names -> (code used by the kernels' run-time typed loads, C++ storage type, bytes).
@@ -1123,6 +1124,17 @@ def _fill(ln, optr, gptr, mptr, cptr, t_ptr, s_ptr, c_bits):
     return args
 
 
+def _enqueue(launch_kernel, plan, stream, s_ptr, optr, gptr, mptr, cptr, c_value):
+    """Launch every kernel of ``plan`` on ``stream`` (its device current) with scratch at
+    ``s_ptr`` and the addresses of out, gamma, mu and c (0 for an absent gamma, which the
+    kernels test, and for a number c, which they then take from c_value)."""
+    t_ptr = s_ptr + plan.t_offset
+    c_bits = 0 if cptr else _INT64.unpack(_DOUBLE.pack(c_value))[0]
+    for ln in plan.launches:
+        _cu_launch(launch_kernel, ln, _fill(ln, optr, gptr, mptr, cptr, t_ptr, s_ptr, c_bits),
+                   stream)
+
+
 def _cu_launch(launch_kernel, ln, args, stream):
     """cuLaunchKernel (CuPy's driver binding ``launch_kernel``) of ``ln`` with its filled
     ``args`` (an Args struct, passed as the kernel's one parameter) on ``stream``."""
@@ -1467,25 +1479,39 @@ class CupyBackend(Backend):
         test, and for a number c, which they then take from c_value)."""
         stream = current_stream(kind, dev)
         buf, s_ptr = self._scratch(kind, plan, dev, stream) if plan.scratch else (None, 0)
-        t_ptr = s_ptr + plan.t_offset
-        c_bits = 0 if cptr else _INT64.unpack(_DOUBLE.pack(c_value))[0]
-        launch_kernel = self._cp.cuda.driver.launchKernel
-        for ln in plan.launches:
-            _cu_launch(launch_kernel, ln, _fill(ln, optr, gptr, mptr, cptr, t_ptr, s_ptr, c_bits),
-                       stream)
+        _enqueue(self._cp.cuda.driver.launchKernel, plan, stream, s_ptr, optr, gptr, mptr,
+                 cptr, c_value)
         del buf  # back to its stream-ordered pool: reuse is ordered after our kernels
 
     def bind(self, p):
         """The launcher of p's signature for the front end's fast path (Backend.bind): the
         plan is found once; a call makes the device current, reads the stream, takes
-        scratch and launches."""
+        scratch and launches. For torch tensors (the fast path's only callers today) what
+        _on_device and _launch look up on each call is looked up here, once: the host's
+        time before the first kernel is the GPU's idle time in a small call."""
         if p.device[1] is None:
             return None
         plan = self._on_device(p.device, self._plan_of, p)  # compiled and loaded there
         device, kind, on_device, launch = p.device, p.kind, self._on_device, self._launch
+        if kind != "torch":
+            def run(out, gamma, mu, c, optr, gptr, mptr, cptr, c_value):
+                on_device(device, launch, plan, kind, optr, gptr, mptr, cptr, c_value)
+
+            return run
+        enter, set_device = self._enter, self._cp.cuda.runtime.setDevice
+        launch_kernel, stream_of = self._cp.cuda.driver.launchKernel, torch_stream_getter()
+        nbytes = plan.scratch * (8 if plan.acc == "float64" else 4)
 
         def run(out, gamma, mu, c, optr, gptr, mptr, cptr, c_value):
-            on_device(device, launch, plan, kind, optr, gptr, mptr, cptr, c_value)
+            _, dev, prev = enter(device)
+            try:
+                stream = stream_of(dev)
+                buf, s_ptr = torch_scratch(nbytes, dev, stream, True) if nbytes else (None, 0)
+                _enqueue(launch_kernel, plan, stream, s_ptr, optr, gptr, mptr, cptr, c_value)
+                del buf  # back to its stream-ordered pool, after our kernels
+            finally:
+                if prev is not None:
+                    set_device(prev)
 
         return run
 
