@@ -1498,12 +1498,16 @@ class CupyBackend(Backend):
                 on_device(device, launch, plan, kind, optr, gptr, mptr, cptr, c_value)
 
             return run
-        enter, set_device = self._enter, self._cp.cuda.runtime.setDevice
+        enter, tls, runtime = self._enter, self._tls, self._cp.cuda.runtime
+        get_device, set_device = runtime.getDevice, runtime.setDevice
         launch_kernel, stream_of = self._cp.cuda.driver.launchKernel, torch_stream_getter()
         nbytes = plan.scratch * (8 if plan.acc == "float64" else 4)
+        dev = device[1]
 
         def run(out, gamma, mu, c, optr, gptr, mptr, cptr, c_value):
-            _, dev, prev = enter(device)
+            prev = None
+            if get_device() != dev or dev not in getattr(tls, "ready", ()):
+                prev = enter(device)[2]  # make it current (and this thread ready)
             try:
                 stream = stream_of(dev)
                 buf, s_ptr = torch_scratch(nbytes, dev, stream, True) if nbytes else (None, 0)
