@@ -325,14 +325,22 @@ def test_threads_at_once():
 
 @gpu
 @need_torch
-def test_second_gpu():
-    """Arrays on cuda:1 are computed there, whatever the current device is."""
+def test_second_gpu(monkeypatch):
+    """Arrays on cuda:1 are computed there, whatever the current device is: the first
+    call (the full path), a second one of the same signature (torch tensors: the bound
+    launcher of the fast path) and a third from a fresh thread (no context current)."""
+    import threading
+
     import torch
 
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs (nvidia-h200-x2)")
     rng = np.random.default_rng(10)
     torch.cuda.set_device(0)
+    full = []  # GPU calls that took the full path
+    normalise = _frontend.normalise
+    monkeypatch.setattr(_frontend, "normalise", lambda *a: (
+        None if isinstance(a[0], np.ndarray) else full.append(1)) or normalise(*a))
     for kind in _kinds():
         out, g, mu, c, k, conv = _problem(rng, "numpy", ["float32"] * 4, ["contiguous"] * 3)
         if kind == "torch_cuda":
@@ -343,9 +351,28 @@ def test_second_gpu():
             def move(x):
                 with cupy.cuda.Device(1):
                     return cupy.asarray(x)
-        arrays = [move(x) for x in (out, g, mu, c)]
-        _check(*arrays, k, conv)
-        assert torch.cuda.current_device() == 0
+        full.clear()
+        for call in range(3):
+            arrays = [move(x) for x in (out, g, mu, c)]
+            if call < 2:
+                _check(*arrays, k, conv)
+                # the first call binds; for torch tensors the second takes the launcher
+                assert len(full) == (1 if kind == "torch_cuda" else call + 1)
+            else:
+                errors = []
+
+                def in_thread():
+                    try:
+                        _check(*arrays, k, conv)
+                        assert torch.cuda.current_device() == 0
+                    except BaseException as e:  # noqa: BLE001 - reported below
+                        errors.append(e)
+                t = threading.Thread(target=in_thread)
+                t.start()
+                t.join()
+                assert not errors, errors
+                assert len(full) == (1 if kind == "torch_cuda" else 3)
+            assert torch.cuda.current_device() == 0
 
 
 # ------------------------------------------------------------------ the CUDA source on the host
