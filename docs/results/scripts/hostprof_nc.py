@@ -1,0 +1,75 @@
+"""hostprof.py for numba_cuda: each piece of its fast path on a `mid` call, timed with
+perf_counter hot (back to back) and right after torch.cuda.synchronize() of a queued mid
+call (the bench's state), medians in µs."""
+import statistics as st
+import time
+
+import torch
+
+import convcov
+from convcov import _arrays, _frontend, bench
+from convcov.backends import numba_cuda as nc
+
+dev = bench._Cuda()
+w = {w.name: w for w in bench.WORKLOADS}["mid"]
+x = bench._inputs(dev, w)
+out, g, mu, c = x["out"], x["gamma"], x["mu"], x["c"]
+
+
+def call():
+    convcov.accumulate(out, g, mu, c, w.k, backend="numba_cuda")
+
+
+for _ in range(3):
+    call()
+torch.cuda.synchronize()
+entry = next(e for e in _frontend._bound.values() if e is not None)
+run = entry.run
+plan = next(iter(nc._plans.values()))
+ptrs = (out.data_ptr(), g.data_ptr(), mu.data_ptr(), c.data_ptr())
+handle = _arrays.current_stream("torch", 0)
+stream = nc._driver_stream(handle)
+blk, sptr = _arrays.torch_scratch(plan.scratch * 4, 0, handle)
+values = (ptrs[0], ptrs[1], ptrs[2], ptrs[3], sptr, sptr + plan.t_offset, nc._bits(0.0, "float32"))
+
+
+def nop_run(*a):
+    pass
+
+
+def front():
+    entry.run = nop_run
+    try:
+        call()
+    finally:
+        entry.run = run
+
+
+def scratch():
+    b, p = _arrays.torch_scratch(plan.scratch * 4, 0, handle)
+    del b
+
+
+pieces = {
+    "whole call": call,
+    "front end (no-op launcher)": front,
+    "launcher (3 launches)": lambda: run(out, g, mu, c, *ptrs, 0.0),
+    "_current_context": nc._current_context,
+    "current_stream+_driver_stream": lambda: nc._driver_stream(_arrays.current_stream("torch", 0)),
+    "scratch alloc+free": scratch,
+    "one launch (first kernel)": lambda: plan.launches[0](stream, values),
+}
+for rnd in range(2):
+    for label, f in pieces.items():
+        hot, synced = [], []
+        for i in range(200):
+            if i % 50 == 0:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter(); f(); hot.append(time.perf_counter() - t0)
+        for i in range(60):
+            call()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter(); f(); synced.append(time.perf_counter() - t0)
+        print(f"r{rnd} {label:30s} hot {st.median(hot) * 1e6:7.2f}   after sync "
+              f"{st.median(synced) * 1e6:7.2f}", flush=True)
+torch.cuda.synchronize()
