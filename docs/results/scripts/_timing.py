@@ -44,6 +44,28 @@ def kernels(f, n=5, synced=False):
     return ", ".join(out)
 
 
+def host_pieces(pieces, call, width=28, rounds=2):
+    """Each of ``pieces`` (label -> function) timed with perf_counter, hot (back to back,
+    synchronized every 50) and right after ``call()`` and a synchronize (the bench's
+    state); medians in µs, one printed line a piece and round."""
+    import time
+
+    for rnd in range(rounds):
+        for label, f in pieces.items():
+            hot, synced = [], []
+            for i in range(200):
+                if i % 50 == 0:
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter(); f(); hot.append(time.perf_counter() - t0)
+            for i in range(60):
+                call()
+                torch.cuda.synchronize()
+                t0 = time.perf_counter(); f(); synced.append(time.perf_counter() - t0)
+            print(f"r{rnd} {label:{width}s} hot {st.median(hot) * 1e6:7.2f}   after sync "
+                  f"{st.median(synced) * 1e6:7.2f}", flush=True)
+    torch.cuda.synchronize()
+
+
 def row(dev, f, w, bw, n=40):
     """f warmed up, then timed the bench's way (dev.time_calls), as measure() does, and
     per kernel: one line's worth."""

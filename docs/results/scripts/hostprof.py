@@ -5,11 +5,9 @@ Pieces: the front end alone (the bound launcher replaced by a no-op), the launch
 (real launches), and inside it cupy's _enter, torch's stream, the scratch, one _fill and
 one launch of the channel sum; then a pure-Python key-sized tuple as a yardstick of the
 CPU's state."""
-import statistics as st
-import time
-
 import cupy
 import torch
+from _timing import host_pieces
 
 import convcov
 from convcov import _arrays, _frontend, bench
@@ -72,17 +70,4 @@ pieces = {
                                 mu.dtype, mu.shape, mu.stride(), mu.device, c.dtype,
                                 c.shape, c.stride(), c.device),
 }
-for rnd in range(2):
-    for label, f in pieces.items():
-        hot, synced = [], []
-        for i in range(200):
-            if i % 50 == 0:
-                torch.cuda.synchronize()
-            t0 = time.perf_counter(); f(); hot.append(time.perf_counter() - t0)
-        for i in range(60):
-            call()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter(); f(); synced.append(time.perf_counter() - t0)
-        print(f"r{rnd} {label:28s} hot {st.median(hot) * 1e6:7.2f}   after sync "
-              f"{st.median(synced) * 1e6:7.2f}", flush=True)
-torch.cuda.synchronize()
+host_pieces(pieces, call, 28)

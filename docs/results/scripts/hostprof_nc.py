@@ -1,10 +1,8 @@
 """hostprof.py for numba_cuda: each piece of its fast path on a `mid` call, timed with
 perf_counter hot (back to back) and right after torch.cuda.synchronize() of a queued mid
 call (the bench's state), medians in µs."""
-import statistics as st
-import time
-
 import torch
+from _timing import host_pieces
 
 import convcov
 from convcov import _arrays, _frontend, bench
@@ -59,17 +57,4 @@ pieces = {
     "scratch alloc+free": scratch,
     "one launch (first kernel)": lambda: plan.launches[0](stream, values),
 }
-for rnd in range(2):
-    for label, f in pieces.items():
-        hot, synced = [], []
-        for i in range(200):
-            if i % 50 == 0:
-                torch.cuda.synchronize()
-            t0 = time.perf_counter(); f(); hot.append(time.perf_counter() - t0)
-        for i in range(60):
-            call()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter(); f(); synced.append(time.perf_counter() - t0)
-        print(f"r{rnd} {label:30s} hot {st.median(hot) * 1e6:7.2f}   after sync "
-              f"{st.median(synced) * 1e6:7.2f}", flush=True)
-torch.cuda.synchronize()
+host_pieces(pieces, call, 30)
