@@ -1486,18 +1486,13 @@ class CupyBackend(Backend):
     def bind(self, p):
         """The launcher of p's signature for the front end's fast path (Backend.bind): the
         plan is found once; a call makes the device current, reads the stream, takes
-        scratch and launches. For torch tensors (the fast path's only callers today) what
-        _on_device and _launch look up on each call is looked up here, once: the host's
-        time before the first kernel is the GPU's idle time in a small call."""
-        if p.device[1] is None:
+        scratch and launches. The fast path binds torch calls only; what _on_device and
+        _launch look up on each call is looked up here, once: the host's time before the
+        first kernel is the GPU's idle time in a small call."""
+        if p.device[1] is None or p.kind != "torch":
             return None
         plan = self._on_device(p.device, self._plan_of, p)  # compiled and loaded there
-        device, kind, on_device, launch = p.device, p.kind, self._on_device, self._launch
-        if kind != "torch":
-            def run(out, gamma, mu, c, optr, gptr, mptr, cptr, c_value):
-                on_device(device, launch, plan, kind, optr, gptr, mptr, cptr, c_value)
-
-            return run
+        device = p.device
         enter, tls, runtime = self._enter, self._tls, self._cp.cuda.runtime
         get_device, set_device = runtime.getDevice, runtime.setDevice
         launch_kernel, stream_of = self._cp.cuda.driver.launchKernel, torch_stream_getter()

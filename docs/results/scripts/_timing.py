@@ -44,6 +44,35 @@ def kernels(f, n=5, synced=False):
     return ", ".join(out)
 
 
+def bound_call(name, backend):
+    """Workload ``name``'s bench inputs and a call of ``backend`` on them, run until its
+    signature is bound (the fast path): (inputs, call, the call with its bound launcher
+    replaced by a no-op: the front end alone, that bound entry)."""
+    import convcov
+    from convcov import _frontend, bench
+
+    w = {w.name: w for w in bench.WORKLOADS}[name]
+    x = bench._inputs(bench._Cuda(), w)
+
+    def call():
+        convcov.accumulate(x["out"], x["gamma"], x["mu"], x["c"], w.k, backend=backend)
+
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    entry = next(e for e in _frontend._bound.values() if e is not None)
+    run = entry.run
+
+    def front():
+        entry.run = lambda *a: None
+        try:
+            call()
+        finally:
+            entry.run = run
+
+    return x, call, front, entry
+
+
 def host_pieces(pieces, call, width=28, rounds=2):
     """Each of ``pieces`` (label -> function) timed with perf_counter, hot (back to back,
     synchronized every 50) and right after ``call()`` and a synchronize (the bench's

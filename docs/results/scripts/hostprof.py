@@ -6,27 +6,13 @@ Pieces: the front end alone (the bound launcher replaced by a no-op), the launch
 one launch of the channel sum; then a pure-Python key-sized tuple as a yardstick of the
 CPU's state."""
 import cupy
-import torch
-from _timing import host_pieces
+from _timing import bound_call, host_pieces
 
-import convcov
-from convcov import _arrays, _frontend, bench
+from convcov import _arrays
 from convcov.backends import cupy as cb
 
-dev = bench._Cuda()
-w = {w.name: w for w in bench.WORKLOADS}["mid"]
-x = bench._inputs(dev, w)
+x, call, front, entry = bound_call("mid", "cupy")
 out, g, mu, c = x["out"], x["gamma"], x["mu"], x["c"]
-
-
-def call():
-    convcov.accumulate(out, g, mu, c, w.k, backend="cupy")
-
-
-for _ in range(3):
-    call()
-torch.cuda.synchronize()
-(key, entry), = [(k, e) for k, e in _frontend._bound.items() if e is not None]
 run = entry.run
 plan = next(iter(cb.backend._plans.values()))
 ptrs = (out.data_ptr(), g.data_ptr(), mu.data_ptr(), c.data_ptr())
@@ -37,18 +23,6 @@ s0 = stream_of(0)
 ln0 = plan.launches[0]
 blk, sp = _arrays.torch_scratch(nbytes, 0, s0, True)
 filled = cb._fill(ln0, *ptrs, sp + plan.t_offset, sp, 0)
-
-
-def nop_run(*a):
-    pass
-
-
-def front():
-    entry.run = nop_run
-    try:
-        call()
-    finally:
-        entry.run = run
 
 
 def scratch():

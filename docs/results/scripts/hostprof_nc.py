@@ -1,27 +1,13 @@
 """hostprof.py for numba_cuda: each piece of its fast path on a `mid` call, timed with
 perf_counter hot (back to back) and right after torch.cuda.synchronize() of a queued mid
 call (the bench's state), medians in µs."""
-import torch
-from _timing import host_pieces
+from _timing import bound_call, host_pieces
 
-import convcov
-from convcov import _arrays, _frontend, bench
+from convcov import _arrays
 from convcov.backends import numba_cuda as nc
 
-dev = bench._Cuda()
-w = {w.name: w for w in bench.WORKLOADS}["mid"]
-x = bench._inputs(dev, w)
+x, call, front, entry = bound_call("mid", "numba_cuda")
 out, g, mu, c = x["out"], x["gamma"], x["mu"], x["c"]
-
-
-def call():
-    convcov.accumulate(out, g, mu, c, w.k, backend="numba_cuda")
-
-
-for _ in range(3):
-    call()
-torch.cuda.synchronize()
-entry = next(e for e in _frontend._bound.values() if e is not None)
 run = entry.run
 plan = next(iter(nc._plans.values()))
 ptrs = (out.data_ptr(), g.data_ptr(), mu.data_ptr(), c.data_ptr())
@@ -29,18 +15,6 @@ handle = _arrays.current_stream("torch", 0)
 stream = nc._driver_stream(handle)
 blk, sptr = _arrays.torch_scratch(plan.scratch * 4, 0, handle)
 values = (ptrs[0], ptrs[1], ptrs[2], ptrs[3], sptr, sptr + plan.t_offset, nc._bits(0.0, "float32"))
-
-
-def nop_run(*a):
-    pass
-
-
-def front():
-    entry.run = nop_run
-    try:
-        call()
-    finally:
-        entry.run = run
 
 
 def scratch():
