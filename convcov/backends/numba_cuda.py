@@ -51,7 +51,10 @@ library work alike, with no array objects to build per call. Kernels are compile
 explicit signature per dtype combination. A call signature's launches are planned once
 (``_plan``: kernels, launch sizes, every argument packed into 8-byte words, ``_pack``);
 a call writes its addresses into the words and hands them to ``cuLaunchKernel``, which
-keeps a call's host time short (the seed's toy, ``mid``).
+keeps a call's host time short (the seed's toy, ``mid``). On compute capability 9.0 and
+later a plan's second and third launches are programmatic dependents (``_pdl``): their
+blocks may start while the kernel ahead drains, and they wait (``griddepcontrol.wait``)
+before their first load.
 
 Under Numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``, CI without a GPU) the same
 kernels run on the CPU: the backend then declares ``device = "cpu"`` and receives numpy
@@ -85,6 +88,7 @@ from .._arrays import (
     vector_width,
 )
 from .._registry import Backend
+from . import _pdl
 
 try:
     import numba
@@ -482,6 +486,33 @@ if _IMPORT_ERROR is None:
                 return builder.zext(h, _I32)
             return sig, codegen
 
+    # Programmatic dependent launch (_pdl; compute capability 9.0 and later, else nothing
+    # is emitted): a kernel launched as a dependent waits (griddepcontrol.wait) for the
+    # kernel ahead, its completion and memory, before reading what that kernel wrote; a
+    # kernel lets its dependent's blocks be scheduled early (launch_dependents), onto the
+    # multiprocessors it leaves free as it drains. The device compiled for is the current
+    # one (Numba's disk cache keys kernels by its compute capability).
+    def _make_griddepcontrol(op):
+        if SIM:
+            def nothing():
+                pass
+            return nothing
+
+        @intrinsic
+        def griddepcontrol(typingctx):
+            sig = nbt.void()
+
+            def codegen(context, builder, sig, args):
+                if cuda.get_current_device().compute_capability >= (9, 0):
+                    builder.asm(ir.FunctionType(ir.VoidType(), []), f"griddepcontrol.{op};",
+                                "~{memory}", [], side_effect=True)
+                return context.get_dummy_value()
+            return sig, codegen
+        return griddepcontrol
+
+    _pdl_wait = _make_griddepcontrol("wait")
+    _pdl_launch_dependents = _make_griddepcontrol("launch_dependents")
+
 # ---------------------------------------------------------------------------------------
 # The forward kernels. Index names follow SPEC section 1. Arrays are (pointer, base,
 # strides): element [i, j, ...] is ptr[base + i*s0 + j*s1 + ...]; the channel stride of
@@ -504,6 +535,7 @@ if _IMPORT_ERROR is None:
         div = _div if DIV32 else _div64
 
         def gsum(tptr, gptr, gbase, gst, has_g, mptr, mbase, mst, geo, n, zero):
+            _pdl_launch_dependents()  # S's kernel may take the multiprocessors left
             G, Cg, W = geo[1], geo[2], geo[5]
             HW = geo[4] * W
             nqv = HW // V
@@ -589,6 +621,8 @@ if _IMPORT_ERROR is None:
         ld = _LDV[1, READONLY]
 
         def sbox(sptr, tptr, geo, n, zero):
+            _pdl_launch_dependents()  # ... and out's update those this one leaves
+            _pdl_wait()  # T complete (a dependent launch)
             H, W, Ho, Wo, kh, kw = geo[4], geo[5], geo[6], geo[7], geo[8], geo[9]
             sh, sw, ph, pw, dh, dw = geo[10], geo[11], geo[12], geo[13], geo[14], geo[15]
             HW = H * W
@@ -700,6 +734,8 @@ if _IMPORT_ERROR is None:
         div = _div if DIV32 else _div64
 
         def sbox_walk(sptr, tptr, geo, n, zero):
+            _pdl_launch_dependents()  # ... and out's update those this one leaves
+            _pdl_wait()  # T complete (a dependent launch)
             H, W, Ho, Wo = geo[4], geo[5], geo[6], geo[7]
             kw = KW if KW else geo[9]
             kh = KH if KH else geo[8]
@@ -870,6 +906,11 @@ if _IMPORT_ERROR is None:
             tid = cuda.threadIdx.x
             ncb = (Cog + CH - 1) // CH
             ntiles = geo[0] * G * ncb * tiles
+            # S complete (a dependent launch), and everything before it: no load before
+            # this. (Loading the first tile's out before the wait is not covered by it,
+            # see _pdl; here it also took 100 registers instead of 90 and was slower:
+            # H200, 2026-11-30, ab49.py, mid 117 against 108 us of GPU time.)
+            _pdl_wait()
             tile = cuda.blockIdx.x
             while tile < ntiles:  # block-uniform
                 r1 = tdiv(tile, tiles)  # neighbouring blocks: neighbouring memory
@@ -1230,9 +1271,10 @@ def _kernel(name, elems, acc, V=1):
 class Limits:
     """What the launch sizes are computed from, read off one device."""
 
-    def __init__(self, sms, threads_per_sm):
+    def __init__(self, sms, threads_per_sm, cc=(0, 0)):
         self.sms = sms
         self.threads_per_sm = threads_per_sm
+        self.cc = cc  # compute capability
 
     @property
     def capacity(self):
@@ -1262,7 +1304,8 @@ def _device_limits(dev_id):
             lim = Limits(2, 2 * THREADS)
         else:
             d = cuda.get_current_device()
-            lim = Limits(d.MULTIPROCESSOR_COUNT, d.MAX_THREADS_PER_MULTIPROCESSOR)
+            lim = Limits(d.MULTIPROCESSOR_COUNT, d.MAX_THREADS_PER_MULTIPROCESSOR,
+                         d.compute_capability)
         _limits[dev_id] = lim
     return lim
 
@@ -1409,12 +1452,12 @@ class _Launch:
     driver's function handle and the packed arguments (_pack)."""
 
     __slots__ = ("name", "elems", "acc", "V", "grid", "block", "args", "func", "words", "fill",
-                 "tls")
+                 "tls", "ex")
 
     def __init__(self, name, elems, acc, V, grid, block, args):
         self.name, self.elems, self.acc, self.V = name, elems, acc, V
         self.grid, self.block, self.args = grid, block, args
-        self.func = self.words = self.fill = None
+        self.func = self.words = self.fill = self.ex = None  # ex: a _pdl.Launcher
         self.tls = threading.local()  # each thread's copy of the words (plans are shared)
 
     def bind(self, dev_id):
@@ -1448,6 +1491,9 @@ class _Launch:
         for i, v in self.fill:
             words[i] = values[v]
         # The driver copies the arguments before it returns: the words can be reused.
+        if self.ex is not None:
+            self.ex(stream, params.buffer_info()[0], f"numba_cuda's {self.name}")
+            return
         err, = _drv.cuLaunchKernel(self.func, self.grid, 1, 1, self.block, 1, 1, 0, stream,
                                    params.buffer_info()[0], 0)
         if err != _drv.CUresult.CUDA_SUCCESS:
@@ -1577,6 +1623,11 @@ def _plan(p, dev_id):
         plan = _Plan(launches, s_pad + n_t, s_pad * abytes)
     for launch in launches:
         launch.bind(dev_id)
+    if len(launches) > 1 and launches[0].func is not None and _pdl.usable(lim.cc[0]):
+        # S and out's update start while the kernel ahead drains (_pdl); the first
+        # kernel waits, as any launch does, for what was queued before the call.
+        for launch in launches[1:]:
+            launch.ex = _pdl.Launcher(int(launch.func), launch.grid, launch.block)
     return plan
 
 

@@ -26,6 +26,8 @@ dispatcher.get_current_device = lambda: _Sm90()
 
 from cuda.bindings import nvjitlink  # noqa: E402
 from numba import cuda  # noqa: E402
+
+cuda.get_current_device = dispatcher.get_current_device  # numba_cuda's griddepcontrol asks
 from numba.core import types as nbt  # noqa: E402
 
 from convcov.backends import numba_cuda as nc  # noqa: E402
