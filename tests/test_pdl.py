@@ -72,15 +72,13 @@ def _three_launches(monkeypatch):
     return mod
 
 
-@hopper
-@pytest.mark.parametrize("name", GPU_BACKENDS)
-@pytest.mark.parametrize("dtype", ["float32", "float16"])
-def test_dependent_launches_give_the_same_bits(monkeypatch, name, dtype):
+def _problem(dtype):
+    """A three-launch problem on the GPU in ``dtype``: (gamma, mu, c, out0 as float64
+    numpy, kernel size); gamma full, with its channel-diagonal random."""
     import torch
 
-    mod = _three_launches(monkeypatch)
     rng = np.random.default_rng(7)
-    B, Ci, Co, H, k, calls = 3, 5, 6, 11, 3, 4
+    B, Ci, Co, H, k = 3, 5, 6, 11, 3
     HW = H * H
     g = rng.standard_normal((B, Ci, HW, HW)) * 0.1
     gamma64 = np.zeros((B, Ci, H, H, Ci, H, H))
@@ -90,9 +88,20 @@ def test_dependent_launches_give_the_same_bits(monkeypatch, name, dtype):
     c64 = rng.random(Co)
     Ho = H - k + 1
     out64 = rng.standard_normal((B, Co, Ho, Ho, Co, Ho, Ho))
-    dev = torch.device("cuda")
-    gamma, mu, c = (torch.from_numpy(a).to(dev, getattr(torch, dtype))
+    gamma, mu, c = (torch.from_numpy(a).to("cuda", getattr(torch, dtype))
                     for a in (gamma64, mu64, c64))
+    return gamma, mu, c, out64, k
+
+
+@hopper
+@pytest.mark.parametrize("name", GPU_BACKENDS)
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_dependent_launches_give_the_same_bits(monkeypatch, name, dtype):
+    import torch
+
+    mod = _three_launches(monkeypatch)
+    gamma, mu, c, out64, k = _problem(dtype)
+    Ci, calls, dev = mu.shape[1], 4, torch.device("cuda")
     results = {}
     for pdl in (False, True, False, True):
         monkeypatch.setattr(_pdl, "ENABLED", pdl)
@@ -124,3 +133,47 @@ def test_dependent_launches_give_the_same_bits(monkeypatch, name, dtype):
     convcov.accumulate(bound, np.abs(g64), np.abs(m64), np.abs(cc64), k, backend="numpy")
     tol = calls * tolerance(np.abs(out0) + calls * bound, Ci * k * k, "float32", dtype)
     assert np.all(np.abs(results[True] - (out0 + calls * step)) <= tol)
+
+
+@hopper
+@pytest.mark.parametrize("name", GPU_BACKENDS)
+def test_dependent_launches_in_a_cuda_graph(monkeypatch, name):
+    """Captured in a CUDA graph (the dependent launches become programmatic edges) and
+    replayed on new data: the same bits as plain launches, eagerly."""
+    import torch
+
+    mod = _three_launches(monkeypatch)
+    monkeypatch.setattr(_pdl, "ENABLED", True)
+    gamma, mu, c, out64, k = _problem("float32")
+    out0 = torch.from_numpy(out64).to("cuda", torch.float32)
+    out = out0.clone()
+
+    def calls():
+        for _ in range(2):
+            convcov.accumulate(out, gamma, mu, c, k, backend=name)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile, plan and bind before the capture
+        calls()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        calls()
+    (plan,) = mod._plans.values()
+    assert [ln.ex is not None for ln in plan.launches] == [False, True, True]
+    with torch.no_grad():
+        out.copy_(out0)
+        mu.mul_(0.5).add_(0.25)
+    graph.replay()
+    torch.cuda.synchronize()
+    got = to_f64(out)
+
+    monkeypatch.setattr(_pdl, "ENABLED", False)
+    mod._plans.clear()
+    _frontend._bound.clear()
+    want = out0.clone()
+    for _ in range(2):
+        convcov.accumulate(want, gamma, mu, c, k, backend=name)
+    assert np.array_equal(got, to_f64(want), equal_nan=True)
+    assert not np.array_equal(got, to_f64(out0))  # the replay did add
