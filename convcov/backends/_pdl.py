@@ -53,15 +53,15 @@ def usable(cc_major: int) -> bool:
 
 
 class Launcher:
-    """``cuLaunchKernelEx`` of one function (a CUfunction's address), grid and block as a
-    programmatic dependent of the kernel ahead of it. Each thread keeps its own launch
-    configuration, whose stream is set per call (the driver copies it at launch)."""
+    """``cuLaunchKernelEx`` of one function (the driver's handle, as ``cuLaunchKernel``
+    takes it), grid and block as a programmatic dependent of the kernel ahead of it; ``what``
+    names the kernel in an error. Each thread keeps its own launch configuration, whose
+    stream is set per call (the driver copies it at launch)."""
 
-    __slots__ = ("func", "grid", "block", "tls")
+    __slots__ = ("func", "grid", "block", "what", "tls")
 
-    def __init__(self, func: int, grid: int, block: int):
-        self.func = _drv.CUfunction(func)
-        self.grid, self.block = grid, block
+    def __init__(self, func, grid: int, block: int, what: str = "a kernel"):
+        self.func, self.grid, self.block, self.what = func, grid, block, what
         self.tls = threading.local()
 
     def _config(self):
@@ -76,9 +76,9 @@ class Launcher:
         cfg.numAttrs = 1
         return cfg
 
-    def __call__(self, stream: int, params: int, what: str) -> None:
-        """Launch on the raw stream handle ``stream`` with ``params``, the address of the
-        kernel's array of parameter addresses; ``what`` names the kernel in an error."""
+    def __call__(self, stream, params: int) -> None:
+        """Launch on ``stream`` (a raw handle or the driver's CUstream) with ``params``, the
+        address of the kernel's array of parameter addresses."""
         try:
             cfg = self.tls.cfg
         except AttributeError:  # this thread's first launch of it
@@ -86,4 +86,4 @@ class Launcher:
         cfg.hStream = stream
         err, = _drv.cuLaunchKernelEx(cfg, self.func, params, 0)
         if err != _drv.CUresult.CUDA_SUCCESS:
-            raise RuntimeError(f"launching {what} failed: {err!r}")
+            raise RuntimeError(f"launching {self.what} failed: {err!r}")

@@ -1492,7 +1492,7 @@ class _Launch:
             words[i] = values[v]
         # The driver copies the arguments before it returns: the words can be reused.
         if self.ex is not None:
-            self.ex(stream, params.buffer_info()[0], f"numba_cuda's {self.name}")
+            self.ex(stream, params.buffer_info()[0])
             return
         err, = _drv.cuLaunchKernel(self.func, self.grid, 1, 1, self.block, 1, 1, 0, stream,
                                    params.buffer_info()[0], 0)
@@ -1623,11 +1623,12 @@ def _plan(p, dev_id):
         plan = _Plan(launches, s_pad + n_t, s_pad * abytes)
     for launch in launches:
         launch.bind(dev_id)
-    if len(launches) > 1 and launches[0].func is not None and _pdl.usable(lim.cc[0]):
+    if not SIM and FAST_LAUNCH and len(launches) > 1 and _pdl.usable(lim.cc[0]):
         # S and out's update start while the kernel ahead drains (_pdl); the first
         # kernel waits, as any launch does, for what was queued before the call.
         for launch in launches[1:]:
-            launch.ex = _pdl.Launcher(int(launch.func), launch.grid, launch.block)
+            launch.ex = _pdl.Launcher(launch.func, launch.grid, launch.block,
+                                      f"numba_cuda's {launch.name}")
     return plan
 
 

@@ -6,7 +6,9 @@ same bits required every way:
   first tile of out loaded before its wait: STREAM_PREFETCH);
 * numba_cuda: the same three, and the update capped at 80 registers (pre80, wait80: 3
   blocks a multiprocessor instead of 2).
-On mid, big-f16 and big-f32."""
+On mid, big-f16 and big-f32. Needs scripts/cupy-pdl.patch and
+scripts/numba-stream-prefetch.patch applied (the cupy variants and numba_cuda's
+STREAM_PREFETCH and STREAM_MAX_REGISTERS knobs; neither was kept)."""
 import torch
 
 from _timing import abab
