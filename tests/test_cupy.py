@@ -490,6 +490,15 @@ def _run_on_host(host_kernels, p, sms):
     return [ln.func for ln in plan.launches]
 
 
+def _host_call(host_kernels, out, g, mu, c, k, conv, sms=(4, 256)):
+    """accumulate's validation, then the plan launched on the host build (_run_on_host)."""
+    from convcov import _frontend
+
+    p = _frontend.normalise(out, g, mu, c, k, conv["stride"], conv["padding"],
+                            conv["dilation"], conv["groups"])
+    return _run_on_host(host_kernels, p, sms)
+
+
 _HOST_CASES = [  # (B, Ci, Co, G, H, W, k, stride, padding, dilation)
     (2, 4, 4, 1, 6, 6, (3, 3), (1, 1), (0, 0), (1, 1)),
     (2, 6, 4, 2, 8, 8, (3, 3), (1, 1), (1, 1), (1, 1)),
@@ -537,7 +546,6 @@ def test_walk_width_compiled_in_gives_the_same_bits(host_kernels, monkeypatch, d
     first, the terms outside the input added as zeros, inner rounds without bounds tests)
     gives the bits of the walk that reads the width at run time (KW = 0: those terms left
     out, every round tested), on the host build; zeros and Inf in mu reach the sums."""
-    from convcov import _frontend
     from convcov.backends import cupy as mod
 
     monkeypatch.setattr(mod, "_DIRECT_TERMS", -1)
@@ -554,14 +562,39 @@ def test_walk_width_compiled_in_gives_the_same_bits(host_kernels, monkeypatch, d
     for kw in (False, True):
         monkeypatch.setattr(mod, "_WALK_KW", kw)
         o = out.copy()
-        p = _frontend.normalise(o, g, mu, c, k, conv["stride"], conv["padding"],
-                                conv["dilation"], conv["groups"])
-        names = _run_on_host(host_kernels, p, (4, 256))
+        names = _host_call(host_kernels, o, g, mu, c, k, conv)
         assert any(n.startswith(f"cc_sbox_walk<{'double' if dtype == 'float64' else 'float'}, 3, "
                                 f"{3 if kw else 0},") for n in names), names
         results[kw] = o
     assert results[False].tobytes() == results[True].tobytes()
     assert np.isinf(results[True]).any()  # the Inf reached out: the sums saw it
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("hw", [(3, 3), (4, 4), (2, 5), (6, 6), (20, 20), (40, 40)])
+def test_stream_rows_gives_the_same_bits(host_kernels, monkeypatch, dtype, hw):
+    """cc_stream's ROWS variant (a full-layout out's evenly spaced rows: a thread's
+    positions from one division) gives the general kernel's bits, on the host build.
+    Ho * Wo of 9 to 1600 give 1 to 400 vectors a row against 256 threads a block: the
+    positions step over rows in every way (dr = 0 and dr > 0, wrapping and not)."""
+    from convcov.backends import cupy as mod
+
+    monkeypatch.setattr(mod, "_DIRECT_TERMS", -1)
+    monkeypatch.setattr(mod, "_DIRECT_RATIO", 0)
+    rng = np.random.default_rng(17)
+    out, g, mu, c, k, conv = _problem(rng, "numpy", [dtype] * 4, ["contiguous"] * 3, B=1,
+                                      Ci=2, Co=2, G=1, H=hw[0], W=hw[1], k=(3, 3),
+                                      padding=(1, 1), gamma="diag")
+    results = {}
+    for rows in (False, True):
+        monkeypatch.setattr(mod, "_STREAM_ROWS", rows)
+        o = out.copy()
+        names = _host_call(host_kernels, o, g, mu, c, k, conv)
+        assert names[-1].startswith("cc_stream<") and names[-1].endswith(f", {int(rows)}>")
+        results[rows] = o
+    assert results[False].tobytes() == results[True].tobytes()
+    assert results[True].tobytes() != out.tobytes()  # the update happened
+    _check(out, g, mu, c, k, conv, run=lambda: _host_call(host_kernels, out, g, mu, c, k, conv))
 
 
 @pytest.mark.parametrize("seed", range(40))

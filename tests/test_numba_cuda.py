@@ -235,11 +235,17 @@ def test_packed_arguments():
     from convcov.backends import numba_cuda as mod
 
     args = (mod._OUT, 7, (3, -2, 0), mod._CVAL, 0.5, (mod._S, 1))
-    words, fill = mod._pack(args, "float32")
+    words, fill, c_slot = mod._pack(args, "float32")
     assert list(words) == [0, 7, 3, 2**64 - 2, 0, 0, 0x3F000000, 0, 1]
-    assert fill == ((0, 0), (5, 6), (7, 4))
-    words, _ = mod._pack(args, "float64")
+    assert fill == ((0, 0), (7, 4)) and c_slot == 5
+    # The number c goes in per call through a view of the words as the accumulation
+    # type, as _Launch does: its bits in the low bytes of its slot.
+    memoryview(words).cast("B").cast("f")[2 * c_slot] = -1.5
+    assert words[5] == 0xBFC00000 and words[6] == 0x3F000000
+    words, _, c_slot = mod._pack(args, "float64")
     assert words[6] == 0x3FE0000000000000
+    memoryview(words).cast("B").cast("d")[c_slot] = -1.5
+    assert words[5] == 0xBFF8000000000000
     assert mod._bits(-1.5, "float32") == 0xBFC00000
     assert mod._bits(-1.5, "float64") == 0xBFF8000000000000
 
@@ -292,8 +298,60 @@ def test_vector_widths(monkeypatch, dtype, full_out, misaligned, widths):
     out, g, mu, c, k, cv = _problem(rng, 1, 5, 2, 4, 4, (1, 1), full_out, "diag")
     _check(out, g, mu, c, k, cv, KINDS[0], (dtype,) * 4, misalign=misaligned)
     (plan,) = mod._plans.values()
-    launched = {ln.name: ln.V for ln in plan.launches}
+    # (the update's rows variant counts as "stream")
+    launched = {("stream" if ln.name.startswith("stream") else ln.name): ln.V
+                for ln in plan.launches}
     assert {n: launched[n] for n in widths} == widths, launched
+
+
+def _out_view(a, kind, case):
+    """``a`` (a diagonal-layout out when case starts with "diag", else full) as an array
+    of ``kind``: contiguous; "gapped": a full out whose (i0, j0) rows are not at one
+    stride (a slice of a wider buffer along j0); "permuted": (i1, j1) swapped in memory."""
+    if case.endswith("gapped"):
+        wide = np.zeros(a.shape[:3] + (a.shape[3] + 1,) + a.shape[4:])
+        x = make(wide, kind, "float32")[:, :, :, :a.shape[3]]
+        x[...] = make(a, kind, "float32")
+        return x
+    if case.endswith("permuted"):
+        x = make(np.ascontiguousarray(np.swapaxes(a, -1, -2)), kind, "float32")
+        return x.transpose(-1, -2) if kind.startswith("torch") else np.swapaxes(x, -1, -2)
+    return make(a, kind, "float32")
+
+
+@available
+@pytest.mark.parametrize("case, variant", [
+    ("full", "stream_rows"), ("diag", "stream"), ("full-gapped", "stream"),
+    ("full-permuted", "stream")])
+@pytest.mark.parametrize("hw", [(3, 3), (4, 4), (2, 5), (6, 6)])
+def test_stream_variants_give_the_same_bits(monkeypatch, case, variant, hw):
+    """The out update's rows variant (the evenly spaced rows of a contiguous full layout:
+    a thread's positions found from one division) gives the general kernel's bits; other
+    layouts keep the general kernel. Ho * Wo of 9, 16, 10 and 36 give 9, 4, 5 and 9
+    vectors a row: a block's positions step over rows in every way."""
+    from convcov.backends import numba_cuda as mod
+
+    monkeypatch.setattr(mod, "DIRECT_TERMS", -1)
+    monkeypatch.setattr(mod, "DIRECT_RATIO", -1)
+    kind = KINDS[0]
+    out0, g, mu, c, k, conv = _problem(np.random.default_rng(13), 2, 2, 3, *hw, (3, 3),
+                                       not case.startswith("diag"), "diag",
+                                       padding=(1, 1))
+    args = [make(g, kind, "float32"), make(mu, kind, "float32"), make(c, kind, "float32")]
+    results = {}
+    for lean in (False, True):
+        monkeypatch.setattr(mod, "STREAM_ROWS", lean)
+        _forget_plans(monkeypatch)
+        o = _out_view(out0, kind, case)
+        convcov.accumulate(o, *args, k, backend="numba_cuda", **conv)
+        (plan,) = mod._plans.values()
+        assert plan.launches[-1].name == (variant if lean else "stream")
+        results[lean] = to_f64(o)
+    assert results[False].tobytes() == results[True].tobytes()
+    ref = convcov.accumulate(out0.astype(np.float32).astype(np.float64), g.astype(np.float32),
+                             mu.astype(np.float32), c.astype(np.float32), k, backend="numpy",
+                             **conv)
+    np.testing.assert_allclose(results[True], ref, rtol=1e-5, atol=1e-6)
 
 
 @available
@@ -403,6 +461,38 @@ def test_runs_on_the_current_torch_stream(path):
     ref = convcov.accumulate(np.zeros((1, 2, 4, 4, 4, 4)), None, to_f64(mu_true), 2.0, 2,
                              backend="numpy")
     np.testing.assert_allclose(to_f64(out), ref, rtol=1e-5)
+
+
+@gpu
+def test_bound_launch_after_the_context_was_popped(path):
+    """A thread whose calls are bound and whose context some library then popped (none
+    current, while cudaGetDevice still names device 0) computes on: the bound launcher
+    compares the current context itself and pushes its own around the launches. (A
+    cheaper test, torch's current device and a per-thread ready set, launched into no
+    context here: CUDA_ERROR_INVALID_CONTEXT on the H200 x2, 2026-11-30.)"""
+    import torch
+    from cuda.bindings import driver as drv
+
+    torch.cuda.set_device(0)
+    out, g, mu, c, k, cv = _problem(np.random.default_rng(14), 1, 2, 2, 5, 5, (2, 2))
+    ref = convcov.accumulate(out.copy(), g, mu, c, k, backend="numpy", **cv)
+    t = [torch.tensor(x, dtype=torch.float32, device="cuda:0") for x in (out, g, mu, c)]
+    for _ in range(2):  # the second call takes the bound launcher: the thread is ready
+        convcov.accumulate(*t, k, backend="numba_cuda", **cv)
+    torch.cuda.synchronize()
+    popped = []
+    while int(drv.cuCtxGetCurrent()[1]):
+        popped.append(drv.cuCtxPopCurrent()[1])
+    assert popped
+    try:
+        convcov.accumulate(*t, k, backend="numba_cuda", **cv)
+        torch.cuda.synchronize()
+    finally:
+        while int(drv.cuCtxGetCurrent()[1]):
+            drv.cuCtxPopCurrent()
+        for ctx in reversed(popped):
+            drv.cuCtxPushCurrent(ctx)
+    np.testing.assert_allclose(to_f64(t[0]), out + 3 * (ref - out), rtol=1e-4, atol=1e-4)
 
 
 @gpu

@@ -23,7 +23,9 @@ the gamma channel sum, the bound SPEC allows), the design of the ``cupy`` backen
 * ``stream`` adds ``c[c0] * S[b, g(c0)]`` into ``out`` in address order, 16-byte
   vectors (out wider than 16 bits loaded through the read-only path, 16-bit out
   evict-first): a flat axpy per (b, c0) for a contiguous diagonal layout; for
-  16-bit ``out`` four output channels share each vector of ``S`` a thread loads.
+  16-bit ``out`` four output channels share each vector of ``S`` a thread loads. A
+  contiguous full layout takes ``stream_rows``: its rows are evenly spaced, so a thread
+  finds its positions with one 32-bit division.
 
 Small problems (the seed's toy) and large strides take one launch, ``direct``: S straight
 from gamma and mu, then ``out`` for a chunk of the group's output channels. Each kernel
@@ -85,6 +87,7 @@ from .._arrays import (
     diag_strides,
     host_view,
     torch_scratch,
+    torch_stream_getter,
     vector_width,
 )
 from .._registry import Backend
@@ -138,6 +141,11 @@ DIRECT_UNROLL = 8
 #: 4 blocks) and 2414 at 2 positions with out unpacked into halves (91 registers, 2 blocks).
 STREAM_P, STREAM_CH = 4, 1
 STREAM_P_16, STREAM_CH_16 = 1, 4
+#: The out update's rows variant where it applies (_stream_kernel: a full-layout out's
+#: evenly spaced rows): 32-bit index divisions only, one a thread instead of two a
+#: position. H200, 2026-11-30, ABAB in one process (ab52.py): mid's GPU part 107.8-108.1
+#: -> 100.4-100.5 µs, same bits. False: the general kernel everywhere (an A/B knob).
+STREAM_ROWS = True
 #: S by walks along its diagonals (sbox_walk) where the rows have stride 1 and dilation
 #: 1 and kh <= WALK_KMAX (row sums kept in registers); else one thread an element (sbox).
 SBOX_WALK = True
@@ -229,6 +237,11 @@ if _IMPORT_ERROR is None:
     @cuda.jit(device=True)
     def _div64(a, b):
         return a // b
+
+    @cuda.jit(device=True)
+    def _div32(a, b):
+        """a // b for 0 <= a, b < 2**32, as the host checked (no 64-bit path compiled)."""
+        return numba.int64(numba.uint32(a) // numba.uint32(b))
 
     if SIM:
         def _to_acc(v, zero):
@@ -854,14 +867,20 @@ if _IMPORT_ERROR is None:
 
         return sbox_walk
 
-    def _make_stream(V, ACC, OT):
+    def _make_stream(V, ACC, OT, MODE="any"):
         """out[b, c0, i0, j0, (c0,) i1, j1] += c[c0] * S[b, g(c0)] in address order.
         out[b, c0] is ``nseg`` segments of ``seg_len`` elements contiguous in S[b, g]: one
         (the whole plane: a flat axpy, for a contiguous diagonal-layout out) or one per
         (i0, j0). A block takes a tile of blockDim x P vector positions for CH output
         channels of one group (_stream_shape); each thread loads its P vectors of S once
         for its CH channels, and all its vectors of out before it stores any. V > 1
-        only when the segments are contiguous and aligned in out (checked on the host)."""
+        only when the segments are contiguous and aligned in out (checked on the host).
+
+        MODE "any" takes every layout; "rows" (STREAM_ROWS, _stream_kernel) takes
+        segments that are contiguous in out and evenly spaced (out[b, c0]'s (i0, j0) rows
+        at one stride, as in a contiguous full-layout out) with positions and tiles under
+        2**31: its index divisions are plain 32-bit ones, and a thread finds its P
+        positions with one division instead of two a position."""
         P, CH = _stream_shape(OT.bitwidth // 8, str(ACC))
         # 16-bit out with float32 sums, in vectors: out stays in 32-bit words (two
         # elements each) from its load to its store, unpacked only for the arithmetic.
@@ -897,6 +916,9 @@ if _IMPORT_ERROR is None:
         WT = nbt.uint32 if RAW else OT
         EW = V // NW  # elements a word of ov
 
+        if MODE == "rows":  # the host checked that the values fit: no 64-bit fallback
+            div = tdiv = _div32
+
         def stream(optr, obase, ost, cptr, cbase, cst, has_c, cval, sptr, geo, nseg, seg_len,
                    tiles, zero):
             G, Cog, Wo = geo[1], geo[3], geo[7]
@@ -906,6 +928,11 @@ if _IMPORT_ERROR is None:
             tid = cuda.threadIdx.x
             ncb = (Cog + CH - 1) // CH
             ntiles = geo[0] * G * ncb * tiles
+            if MODE == "rows":
+                # Position k of a thread is k * nt vectors after its first: dr rows and
+                # dv vectors on, plus one row when the vectors wrap (dv < nvec).
+                dr = div(nt, nvec)
+                dv = nt - dr * nvec
             # S complete (a dependent launch), and everything before it: no load before
             # this. (Loading the first tile's out before the wait is not covered by it,
             # see _pdl; here it also took 100 registers instead of 90 and was slower:
@@ -925,10 +952,22 @@ if _IMPORT_ERROR is None:
                 oo = cuda.local.array(P, nbt.int64)
                 ov = cuda.local.array(PCW, WT)  # as loaded: converted where used
                 sv = cuda.local.array(PV, ACC)
+                if MODE == "rows":
+                    r = div(tin * P * nt + tid, nvec)
+                    v = tin * P * nt + tid - r * nvec
                 for k in range(P):
                     f = (tin * P + k) * nt + tid
+                    if MODE == "rows" and k > 0:
+                        r += dr
+                        v += dv
+                        if v >= nvec:
+                            r += 1
+                            v -= nvec
                     if f < nf:
-                        if nseg == 1:  # one flat axpy: no index arithmetic
+                        if MODE == "rows":  # rows at one stride, S's segments contiguous
+                            off = ob + r * ost[3] + v * V
+                            si = sb + f * V
+                        elif nseg == 1:  # one flat axpy
                             off = ob + f * V
                             si = sb + f * V
                         else:
@@ -969,6 +1008,9 @@ if _IMPORT_ERROR is None:
                 tile += cuda.gridDim.x
 
         return stream
+
+    def _make_stream_rows(V, ACC, OT):
+        return _make_stream(V, ACC, OT, "rows")
 
     def _make_direct(V, ACC, OT):
         """The one-launch kernel for small problems: S straight from gamma and mu (the
@@ -1224,7 +1266,7 @@ def _signature(name, elems, acc):
         args = (acc_ptr, ptr[0], i64, t6, i64, ptr[1], i64, t4, geo, i64, A)
     elif name in ("sbox", "sbox_walk"):  # S, T
         args = (acc_ptr, acc_ptr, geo, i64, A)
-    elif name == "stream":  # out, c, S
+    elif name.startswith("stream"):  # out, c, S
         args = (ptr[0], i64, t6, ptr[1], i64, i64, i64, A, acc_ptr, geo, i64, i64, i64, A)
     elif name == "direct":  # out, gamma, mu, c
         args = (ptr[0], i64, t6, ptr[1], i64, t6, i64, ptr[2], i64, t4,
@@ -1240,7 +1282,8 @@ def _signature(name, elems, acc):
 #: accumulation type and the element type of the first pointer (those that need none of
 #: them ignore it; each is a compile-time constant of the kernel it returns).
 _FACTORIES = {"gsum": "_make_gsum", "sbox": "_make_sbox", "sbox_walk": "_make_sbox_walk",
-              "stream": "_make_stream", "direct": "_make_direct"}
+              "stream": "_make_stream", "stream_rows": "_make_stream_rows",
+              "direct": "_make_direct"}
 
 
 def _kernel(name, elems, acc, V=1):
@@ -1401,17 +1444,21 @@ def _pack(args, acc):
     """Kernel arguments as the driver takes them: tuples spread out (as Numba's ABI
     does), one 8-byte slot each (ints as int64, floats as the accumulation type in the
     slot's low bytes; the driver reads each parameter's size from the kernel image).
-    Returns the slots (per-call ones zero) and the (slot, _Slot index) pairs to fill."""
-    words, fill = array.array("Q"), []
+    Returns the slots (per-call ones zero), the (slot, _Slot index) pairs of the
+    addresses to fill, and the slot of the number c (-1: none)."""
+    words, fill, c_slot = array.array("Q"), [], -1
     for a in args:
         for v in a if type(a) is tuple else (a,):
-            if type(v) is _Slot:
+            if v is _CVAL:
+                c_slot = len(words)
+                v = 0
+            elif type(v) is _Slot:
                 fill.append((len(words), v.i))
                 v = 0
             elif type(v) is float:
                 v = _bits(v, acc)
             words.append(v & 0xFFFFFFFFFFFFFFFF)  # negative ints (view strides) as int64
-    return words, tuple(fill)
+    return words, tuple(fill), c_slot
 
 
 def _bits(v, acc):
@@ -1452,12 +1499,12 @@ class _Launch:
     driver's function handle and the packed arguments (_pack)."""
 
     __slots__ = ("name", "elems", "acc", "V", "grid", "block", "args", "func", "words", "fill",
-                 "tls", "ex")
+                 "c_at", "tls", "ex")
 
     def __init__(self, name, elems, acc, V, grid, block, args):
         self.name, self.elems, self.acc, self.V = name, elems, acc, V
         self.grid, self.block, self.args = grid, block, args
-        self.func = self.words = self.fill = self.ex = None  # ex: a _pdl.Launcher
+        self.func = self.words = self.fill = self.c_at = self.ex = None  # ex: a _pdl.Launcher
         self.tls = threading.local()  # each thread's copy of the words (plans are shared)
 
     def bind(self, dev_id):
@@ -1466,10 +1513,14 @@ class _Launch:
             _kernel(self.name, self.elems, self.acc, self.V)  # compile now, not mid-call
             return
         self.func = _device_kernel(self.name, self.elems, self.acc, self.V, dev_id)
-        self.words, self.fill = _pack(self.args, self.acc)
+        self.words, self.fill, c_slot = _pack(self.args, self.acc)
+        # c goes in as a float through a view of the words as the accumulation type (its
+        # slot's low bytes: little-endian), no struct packing on the call's way
+        self.c_at = -1 if c_slot < 0 else c_slot * (2 if self.acc == "float32" else 1)
 
     def __call__(self, stream, values):
-        """Launch on ``stream`` with ``values`` for the _Slot arguments."""
+        """Launch on ``stream`` with ``values`` for the _Slot arguments (the number c as a
+        float)."""
         if SIM or not FAST_LAUNCH:
             args = tuple(values[a.i] if type(a) is _Slot else a for a in self.args)
             if SIM:
@@ -1482,14 +1533,17 @@ class _Launch:
                     Stream.from_handle(int(stream)), 0)
             return
         try:
-            words, params = self.tls.bufs
+            words, as_acc, params = self.tls.bufs
         except AttributeError:  # this thread's first launch of this plan
             words = self.words[:]
+            as_acc = memoryview(words).cast("B").cast("f" if self.acc == "float32" else "d")
             at = words.buffer_info()[0]
             params = array.array("Q", range(at, at + 8 * len(words), 8))  # void*[n] -> words
-            self.tls.bufs = words, params
+            self.tls.bufs = words, as_acc, params
         for i, v in self.fill:
             words[i] = values[v]
+        if self.c_at >= 0:
+            as_acc[self.c_at] = values[6]  # _CVAL
         # The driver copies the arguments before it returns: the words can be reused.
         if self.ex is not None:
             self.ex(stream, params.buffer_info()[0])
@@ -1537,6 +1591,19 @@ def _direct(p):
     terms = p.B * p.G * HoWo * HoWo * max(p.Ci // p.G, 1) * p.kh * p.kw
     sparse_t = HW * HW > HoWo * HoWo and p.kh * p.kw * HoWo * HoWo <= DIRECT_RATIO * HW * HW
     return terms <= DIRECT_TERMS or sparse_t
+
+
+def _stream_kernel(p, ost, nseg, tiles, n_tiles):
+    """The out update's variant (_make_stream's MODE): "stream_rows" for segments that
+    are out[b, c0]'s contiguous (i1, j1) planes at one stride along (i0, j0), where every
+    index a thread divides fits in 32 bits (its positions reach tiles * THREADS * P
+    vectors, P <= 4); else "stream". (One segment, a diagonal layout's flat axpy, keeps
+    the general kernel: the lean one was slower there, big-f32's update 3308 -> 3362 µs,
+    H200, 2026-11-30, ab52.py.)"""
+    if (STREAM_ROWS and nseg > 1 and max(n_tiles, tiles * THREADS * 8) < 2**31
+            and contiguous(ost[4:], (p.Ho, p.Wo)) and ost[2] == p.Wo * ost[3]):
+        return "stream_rows"
+    return "stream"
 
 
 def _plan(p, dev_id):
@@ -1617,7 +1684,8 @@ def _plan(p, dev_id):
             V = vector_width(osize, HoWo, ost[4:], (p.Ho, p.Wo), ost[:4], p.out_info.ptr)
         pos, ch = _stream_shape(osize, acc)
         tiles = -(-nseg * (seg_len // V) // (THREADS * pos))
-        add("stream", (out_t, c_t), V, p.B * p.G * -(-Cog // ch) * tiles,
+        n_tiles = p.B * p.G * -(-Cog // ch) * tiles
+        add(_stream_kernel(p, ost, nseg, tiles, n_tiles), (out_t, c_t), V, n_tiles,
             (_OUT, obase, ost, _C, cbase, cst, has_c, _CVAL, _S, geo, nseg, seg_len, tiles,
              zero))
         plan = _Plan(launches, s_pad + n_t, s_pad * abytes)
@@ -1642,10 +1710,8 @@ def _launch_plan(plan, kind, dev_id, acc, optr, gptr, mptr, cptr, c_value):
     if plan.scratch:
         buf, sptr = _workspace(kind, dev_id, plan.scratch, acc, handle)
         tptr = sptr + plan.t_offset
-    # the number c as the launch path takes it: packed bits, or a float for Numba's
-    cval = _bits(float(c_value), acc) if FAST_LAUNCH else float(c_value)
     # An absent gamma or a number c: any valid address (never read) of the right kind.
-    values = (optr, gptr or mptr, mptr, cptr or optr, sptr, tptr, cval)
+    values = (optr, gptr or mptr, mptr, cptr or optr, sptr, tptr, float(c_value))
     for launch in plan.launches:
         launch(stream, values)
     del buf  # freed to the library's stream-ordered pool after the launches
@@ -1728,25 +1794,43 @@ class NumbaCudaBackend(Backend):
 
     def bind(self, p):
         """The launcher of p's signature for the front end's fast path (Backend.bind): the
-        plan is found once; a call reads the stream, takes scratch and launches."""
+        plan is found once; a call reads the stream, takes scratch and launches. The fast
+        path binds torch calls only; what _on_device and _launch_plan look up on each call
+        is looked up here, once: the host's time before the first kernel is the GPU's idle
+        time in a small call."""
         if SIM:  # the simulator takes numpy views: a Problem like p with the call's arrays
             # (the launcher keeps no array of this call alive)
             return functools.partial(self._run_sim_like, dataclasses.replace(
                 p, out=None, gamma=None, mu=None, c=None))
-        if p.device[1] is None:
+        if p.device[1] is None or p.kind != "torch":
             return None
-        dev_id, kind, acc = p.device[1], p.kind, p.acc
+        dev_id, acc = p.device[1], p.acc
         plan = self._on_device(self._plan_of, p)  # compiled and loaded on the device
+        ctx = _ready[dev_id]  # the context the kernels were loaded in (_on_device)
+        stream_of = torch_stream_getter()
+        nbytes, t_offset, launches = plan.scratch * ITEMSIZE[acc], plan.t_offset, plan.launches
+
+        def launch(optr, gptr, mptr, cptr, c_value):
+            handle = stream_of(dev_id)
+            stream = _streams.get(handle) or _driver_stream(handle)
+            # (torch_scratch asks torch for its current device: torch may name one
+            # other than the current context's, lazily, c10::cuda::MaybeSetDevice)
+            buf, sptr = torch_scratch(nbytes, dev_id, handle) if nbytes else (None, 0)
+            values = (optr, gptr or mptr, mptr, cptr or optr, sptr, sptr + t_offset, c_value)
+            for ln in launches:
+                ln(stream, values)
+            del buf  # back to torch's stream-ordered pool, after the launches
 
         def run(out, gamma, mu, c, optr, gptr, mptr, cptr, c_value):
-            # _on_device's context check, inlined: this runs on every call
-            ctx = _ready.get(dev_id)
-            if ctx is not None and ctx == _current_context():
-                _launch_plan(plan, kind, dev_id, acc, optr, gptr, mptr, cptr, c_value)
+            # _on_device's context check, inlined. The context current on the thread is
+            # compared itself: a cheaper test (torch's current device and a per-thread
+            # "ready" set, 2026-11-30) failed on the H200 x2, where a thread that had
+            # launched was later left with no context current (CUDA_ERROR_INVALID_CONTEXT).
+            if _current_context() == ctx:
+                launch(optr, gptr, mptr, cptr, c_value)
                 return
             with cuda.gpus[dev_id]:
-                _launch_plan(plan, kind, dev_id, acc, optr, gptr, mptr, cptr, c_value)
-                _ready[dev_id] = _current_context()
+                launch(optr, gptr, mptr, cptr, c_value)
 
         return run
 
