@@ -1812,7 +1812,9 @@ class NumbaCudaBackend(Backend):
 
         def launch(optr, gptr, mptr, cptr, c_value):
             handle = stream_of(dev_id)
-            stream = _streams.get(handle) or _driver_stream(handle)
+            stream = _streams.get(handle)
+            if stream is None:
+                stream = _driver_stream(handle)
             # (torch_scratch asks torch for its current device: torch may name one
             # other than the current context's, lazily, c10::cuda::MaybeSetDevice)
             buf, sptr = torch_scratch(nbytes, dev_id, handle) if nbytes else (None, 0)
