@@ -87,7 +87,6 @@ from .._arrays import (
     diag_strides,
     host_view,
     torch_scratch,
-    torch_stream_getter,
     vector_width,
 )
 from .._registry import Backend
@@ -953,8 +952,9 @@ if _IMPORT_ERROR is None:
                 ov = cuda.local.array(PCW, WT)  # as loaded: converted where used
                 sv = cuda.local.array(PV, ACC)
                 if MODE == "rows":
-                    r = div(tin * P * nt + tid, nvec)
-                    v = tin * P * nt + tid - r * nvec
+                    f = tin * P * nt + tid  # the first position
+                    r = div(f, nvec)
+                    v = f - r * nvec
                 for k in range(P):
                     f = (tin * P + k) * nt + tid
                     if MODE == "rows" and k > 0:
@@ -1593,14 +1593,14 @@ def _direct(p):
     return terms <= DIRECT_TERMS or sparse_t
 
 
-def _stream_kernel(p, ost, nseg, tiles, n_tiles):
+def _stream_kernel(p, ost, nseg, tiles, n_tiles, pos):
     """The out update's variant (_make_stream's MODE): "stream_rows" for segments that
     are out[b, c0]'s contiguous (i1, j1) planes at one stride along (i0, j0), where every
-    index a thread divides fits in 32 bits (its positions reach tiles * THREADS * P
-    vectors, P <= 4); else "stream". (One segment, a diagonal layout's flat axpy, keeps
+    index a thread divides fits in 32 bits (its positions reach tiles * THREADS * pos
+    vectors); else "stream". (One segment, a diagonal layout's flat axpy, keeps
     the general kernel: the lean one was slower there, big-f32's update 3308 -> 3362 µs,
     H200, 2026-11-30, ab52.py.)"""
-    if (STREAM_ROWS and nseg > 1 and max(n_tiles, tiles * THREADS * 8) < 2**31
+    if (STREAM_ROWS and nseg > 1 and max(n_tiles, tiles * THREADS * pos) < 2**31
             and contiguous(ost[4:], (p.Ho, p.Wo)) and ost[2] == p.Wo * ost[3]):
         return "stream_rows"
     return "stream"
@@ -1685,7 +1685,7 @@ def _plan(p, dev_id):
         pos, ch = _stream_shape(osize, acc)
         tiles = -(-nseg * (seg_len // V) // (THREADS * pos))
         n_tiles = p.B * p.G * -(-Cog // ch) * tiles
-        add(_stream_kernel(p, ost, nseg, tiles, n_tiles), (out_t, c_t), V, n_tiles,
+        add(_stream_kernel(p, ost, nseg, tiles, n_tiles, pos), (out_t, c_t), V, n_tiles,
             (_OUT, obase, ost, _C, cbase, cst, has_c, _CVAL, _S, geo, nseg, seg_len, tiles,
              zero))
         plan = _Plan(launches, s_pad + n_t, s_pad * abytes)
@@ -1794,10 +1794,8 @@ class NumbaCudaBackend(Backend):
 
     def bind(self, p):
         """The launcher of p's signature for the front end's fast path (Backend.bind): the
-        plan is found once; a call reads the stream, takes scratch and launches. The fast
-        path binds torch calls only; what _on_device and _launch_plan look up on each call
-        is looked up here, once: the host's time before the first kernel is the GPU's idle
-        time in a small call."""
+        plan is found once; a call checks the context, then reads the stream, takes scratch
+        and launches (_launch_plan). The fast path binds torch calls only."""
         if SIM:  # the simulator takes numpy views: a Problem like p with the call's arrays
             # (the launcher keeps no array of this call alive)
             return functools.partial(self._run_sim_like, dataclasses.replace(
@@ -1807,21 +1805,6 @@ class NumbaCudaBackend(Backend):
         dev_id, acc = p.device[1], p.acc
         plan = self._on_device(self._plan_of, p)  # compiled and loaded on the device
         ctx = _ready[dev_id]  # the context the kernels were loaded in (_on_device)
-        stream_of = torch_stream_getter()
-        nbytes, t_offset, launches = plan.scratch * ITEMSIZE[acc], plan.t_offset, plan.launches
-
-        def launch(optr, gptr, mptr, cptr, c_value):
-            handle = stream_of(dev_id)
-            stream = _streams.get(handle)
-            if stream is None:
-                stream = _driver_stream(handle)
-            # (torch_scratch asks torch for its current device: torch may name one
-            # other than the current context's, lazily, c10::cuda::MaybeSetDevice)
-            buf, sptr = torch_scratch(nbytes, dev_id, handle) if nbytes else (None, 0)
-            values = (optr, gptr or mptr, mptr, cptr or optr, sptr, sptr + t_offset, c_value)
-            for ln in launches:
-                ln(stream, values)
-            del buf  # back to torch's stream-ordered pool, after the launches
 
         def run(out, gamma, mu, c, optr, gptr, mptr, cptr, c_value):
             # _on_device's context check, inlined. The context current on the thread is
@@ -1829,10 +1812,10 @@ class NumbaCudaBackend(Backend):
             # "ready" set, 2026-11-30) failed on the H200 x2, where a thread that had
             # launched was later left with no context current (CUDA_ERROR_INVALID_CONTEXT).
             if _current_context() == ctx:
-                launch(optr, gptr, mptr, cptr, c_value)
+                _launch_plan(plan, "torch", dev_id, acc, optr, gptr, mptr, cptr, c_value)
                 return
             with cuda.gpus[dev_id]:
-                launch(optr, gptr, mptr, cptr, c_value)
+                _launch_plan(plan, "torch", dev_id, acc, optr, gptr, mptr, cptr, c_value)
 
         return run
 
