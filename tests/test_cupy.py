@@ -420,13 +420,46 @@ static double host_fma(double a, double b, double c) { return std::fma(a, b, c);
 """
 
 
+#: Every RawModule family the backend can ask for (CupyBackend._function's family keys).
+FAMILIES = [("generic", "", "float"), ("generic", "", "double")] + [
+    (kind, cxx, acc) for kind in ("fast", "vjp") for cxx in ("f16", "bf16", "float", "double")
+    for acc in ("float", "double") if not (cxx == "double" and acc == "float")]
+
+
 def _all_kernel_names():
     from convcov.backends import cupy as mod
 
-    families = [("generic", "", "float"), ("generic", "", "double")] + [
-        (kind, cxx, acc) for kind in ("fast", "vjp") for cxx in ("f16", "bf16", "float", "double")
-        for acc in ("float", "double") if not (cxx == "double" and acc == "float")]
-    return list(dict.fromkeys(n for f in families for n in mod._family_names(f)))
+    return list(dict.fromkeys(n for f in FAMILIES for n in mod._family_names(f)))
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("family", FAMILIES, ids="-".join)
+def test_every_module_compiles_for_the_gpu(family, arch):
+    """The CUDA source with each family's name expressions, through NVRTC for a real GPU
+    architecture (sm_90: the H200; sm_80: the oldest the kernels are written for), as
+    CuPy's RawModule compiles it there. NVRTC needs no GPU, so CI compiles what only a GPU
+    machine would otherwise: the host build below is plain C++ and skips the device-only
+    code (inline PTX, intrinsics). A device-only error once cost a device session."""
+    nvrtc = pytest.importorskip("cuda.bindings.nvrtc",
+                                reason="NVRTC comes with the test extra's numba-cuda[cu13]")
+    from convcov.backends import cupy as mod
+
+    err, prog = nvrtc.nvrtcCreateProgram(mod.SOURCE.encode(), b"convcov.cu", 0, [], [])
+    assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS
+    try:
+        for name in mod._family_names(family):
+            nvrtc.nvrtcAddNameExpression(prog, name.encode())
+        opts = [f"-arch={arch}".encode(), *(o.encode() for o in mod._OPTIONS)]
+        err, = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        _, size = nvrtc.nvrtcGetProgramLogSize(prog)
+        log = b" " * size
+        nvrtc.nvrtcGetProgramLog(prog, log)
+        assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS, log.decode(errors="replace")
+        for name in mod._family_names(family):  # every kernel the plans name is in the module
+            err, lowered = nvrtc.nvrtcGetLoweredName(prog, name.encode())
+            assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS and lowered, name
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
 
 
 @pytest.fixture(scope="module")
