@@ -48,6 +48,29 @@ def test_probe_reason_is_clear():
         assert row.reason == REASON and ("numba-cuda" in REASON or "CUDA device" in REASON)
 
 
+@pytest.mark.skipif(REASON is not None and "numba-cuda" in REASON, reason=f"numba_cuda: {REASON}")
+def test_every_kernel_compiles_for_the_gpu():
+    """Every kernel variant the plans use (each kernel, dtype, accumulation dtype and vector
+    width; tests/_compile_numba_cuda.py) compiles through Numba, NVVM and ptxas for sm_90.
+    The simulator that runs the kernels in CI executes their Python and never compiles
+    them, so without this a typing error in a kernel would first show on a GPU machine.
+    Its own process: the simulator is switched on in this one (conftest.py)."""
+    import os
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, (root, env.get("PYTHONPATH"))))
+    r = subprocess.run([sys.executable, str(Path(__file__).with_name("_compile_numba_cuda.py"))],
+                       env=env, capture_output=True, text=True, timeout=900)
+    if r.returncode == 77:
+        pytest.skip(r.stdout.strip())
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    from _compile_numba_cuda import variants
+
+    assert f"compiled {len(variants())} kernels for sm_90" in r.stdout, r.stdout[-2000:]
+
+
 def test_never_chosen_automatically_for_host_arrays():
     """Under the simulator the backend takes host arrays, but only when asked by name."""
     out = np.zeros((1, 1, 1, 1, 1, 1, 1))
