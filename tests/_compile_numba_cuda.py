@@ -52,7 +52,6 @@ def main():
 
     dispatcher.get_current_device = lambda: _Sm90()
     from numba import cuda
-    from numba.cuda import types as nbt
 
     cuda.get_current_device = dispatcher.get_current_device  # _pdl's griddepcontrol asks
 
@@ -65,12 +64,8 @@ def main():
     for name, elems, acc, V in variants():
         label = f"{name} {elems} {acc} V={V}"
         try:
-            if name in nc._FACTORIES:
-                fn = getattr(nc, nc._FACTORIES[name])(
-                    V, getattr(nbt, acc), getattr(nbt, elems[0]) if elems else None)
-            else:
-                fn = {"vjp_gamma": nc._vjp_gamma_kernel, "vjp_mu": nc._vjp_mu_kernel}[name]
-            ptx, _ = cuda.compile_ptx(fn, nc._signature(name, elems, acc), cc=(9, 0))
+            ptx, _ = cuda.compile_ptx(nc._kernel_function(name, elems, acc, V),
+                                      nc._signature(name, elems, acc), cc=(9, 0))
             opts = ["-arch=sm_90"]
             h = nvjitlink.create(len(opts), opts)
             try:

@@ -1286,6 +1286,17 @@ _FACTORIES = {"gsum": "_make_gsum", "sbox": "_make_sbox", "sbox_walk": "_make_sb
               "direct": "_make_direct"}
 
 
+def _kernel_function(name, elems, acc, V=1):
+    """The Python function of kernel ``name`` for these pointer element types, accumulation
+    dtype and vector width, before Numba compiles it (also what
+    tests/_compile_numba_cuda.py compiles for sm_90 without a GPU)."""
+    if name in _FACTORIES:
+        # OT: the element type of the first pointer (out's, for stream)
+        ot = getattr(nbt, elems[0]) if elems else None
+        return globals()[_FACTORIES[name]](V, getattr(nbt, acc), ot)
+    return {"vjp_gamma": _vjp_gamma_kernel, "vjp_mu": _vjp_mu_kernel}[name]
+
+
 def _kernel(name, elems, acc, V=1):
     """The compiled kernel ``name`` for these pointer element types, accumulation dtype and
     vector width (compiled once)."""
@@ -1295,12 +1306,7 @@ def _kernel(name, elems, acc, V=1):
         with _lock:
             k = _compiled.get(key)
             if k is None:
-                if name in _FACTORIES:
-                    # OT: the element type of the first pointer (out's, for stream)
-                    ot = getattr(nbt, elems[0]) if elems else None
-                    fn = globals()[_FACTORIES[name]](V, getattr(nbt, acc), ot)
-                else:
-                    fn = {"vjp_gamma": _vjp_gamma_kernel, "vjp_mu": _vjp_mu_kernel}[name]
+                fn = _kernel_function(name, elems, acc, V)
                 if SIM:
                     k = cuda.jit(fn)
                 else:

@@ -28,14 +28,12 @@ from cuda.bindings import nvjitlink  # noqa: E402
 from numba import cuda  # noqa: E402
 
 cuda.get_current_device = dispatcher.get_current_device  # numba_cuda's griddepcontrol asks
-from numba.core import types as nbt  # noqa: E402
 
 from convcov.backends import numba_cuda as nc  # noqa: E402
 
 name, V, acc, elems = sys.argv[1], int(sys.argv[2]), sys.argv[3], tuple(sys.argv[4:])
-fn = getattr(nc, nc._FACTORIES[name])(V, getattr(nbt, acc),
-                                     getattr(nbt, elems[0]) if elems else None)
-ptx, _ = cuda.compile_ptx(fn, nc._signature(name, elems, acc), cc=(9, 0))
+ptx, _ = cuda.compile_ptx(nc._kernel_function(name, elems, acc, V),
+                          nc._signature(name, elems, acc), cc=(9, 0))
 with open("n.ptx", "w") as f:
     f.write(ptx)
 print("PTX:", len(re.findall(r"ld\.global", ptx)), "global loads,",
