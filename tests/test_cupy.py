@@ -325,6 +325,117 @@ def test_threads_at_once():
 
 @gpu
 @need_torch
+@pytest.mark.parametrize("path", ["three"], indirect=True)
+def test_bound_calls_keep_small_scratch(path, monkeypatch):
+    """A bound signature's calls reuse one scratch block per thread and stream
+    (_arrays.kept_torch_scratch) instead of taking and freeing one each call: the results
+    stay right, torch's allocated memory stops growing, another stream or thread gets its
+    own block (a thread's goes when it ends), and scratch over KEEP_SCRATCH is not kept."""
+    import gc
+    import threading
+
+    import torch
+
+    from convcov import _arrays
+    from convcov.backends import cupy as mod
+
+    rng = np.random.default_rng(21)
+    out, g, mu, c, k, conv = _problem(rng, "torch_cuda", ["float32"] * 4, ["contiguous"] * 3)
+    src = out.clone()
+    mine = _arrays._kept.__dict__
+    mine.clear()
+    here = (torch.cuda.current_device(), torch.cuda.current_stream().cuda_stream)
+    _check(out, g, mu, c, k, conv)  # the full path, which binds the signature
+    assert here not in mine
+    out.copy_(src)
+    _check(out, g, mu, c, k, conv)  # the bound launcher: takes and keeps a block
+    assert list(mine) == [here]
+    block = mine[here]
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    for _ in range(10):
+        convcov.accumulate(out, g, mu, c, k, backend="cupy", **conv)
+    out.copy_(src)
+    _check(out, g, mu, c, k, conv)
+    torch.cuda.synchronize()
+    assert mine[here] is block and torch.cuda.memory_allocated() == before
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        out.copy_(src)
+        _check(out, g, mu, c, k, conv)
+    torch.cuda.current_stream().wait_stream(side)
+    assert sorted(mine) == sorted([here, (here[0], side.cuda_stream)])
+
+    def other():
+        convcov.accumulate(out, g, mu, c, k, backend="cupy", **conv)
+        torch.cuda.current_stream().synchronize()
+
+    torch.cuda.synchronize()
+    with_side = torch.cuda.memory_allocated()
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
+    gc.collect()
+    assert torch.cuda.memory_allocated() == with_side  # the thread's block went with it
+
+    monkeypatch.setattr(mod, "KEEP_SCRATCH", 0)  # read when a signature is bound
+    monkeypatch.setattr(_frontend, "_bound", {})
+    kept = dict(mine)
+    for _ in range(2):
+        out.copy_(src)
+        _check(out, g, mu, c, k, conv)
+    torch.cuda.synchronize()
+    assert mine == kept and torch.cuda.memory_allocated() == with_side
+
+
+@gpu
+@need_torch
+@pytest.mark.parametrize("path", ["three"], indirect=True)
+def test_captured_calls_take_the_graphs_memory(path):
+    """A bound call captured into a CUDA graph takes its scratch from the graph's pool,
+    not the thread's kept block (which later eager calls and other graphs would share):
+    two graphs of one signature, replayed at once on two streams, each add their own
+    term, and the kept blocks did not change."""
+    import torch
+
+    from convcov import _arrays
+
+    rng = np.random.default_rng(22)
+    jobs = [_problem(rng, "torch_cuda", ["float64"] * 4, ["contiguous"] * 3, B=3, Ci=6,
+                     Co=6, H=12, W=11) for _ in range(2)]
+    terms = []
+    for out, g, mu, c, k, conv in jobs:  # eager, binding the signature and keeping a block
+        for _ in range(2):
+            o = out.clone()
+            convcov.accumulate(o, g, mu, c, k, backend="cupy", **conv)
+        terms.append(o - out)
+    mine = _arrays._kept.__dict__
+    kept = dict(mine)
+    assert kept, "the eager calls kept no scratch"
+    graphs, outs = [], []
+    for out, g, mu, c, k, conv in jobs:
+        o = out.clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            convcov.accumulate(o, g, mu, c, k, backend="cupy", **conv)
+        graphs.append(graph)
+        outs.append(o)
+    assert mine == kept
+    streams = torch.cuda.Stream(), torch.cuda.Stream()
+    torch.cuda.synchronize()
+    for _ in range(5):
+        for graph, stream in zip(graphs, streams):
+            with torch.cuda.stream(stream):
+                graph.replay()
+    torch.cuda.synchronize()
+    for o, (out, *_), term in zip(outs, jobs, terms):
+        torch.testing.assert_close(o, out + 5 * term, rtol=1e-12, atol=1e-12)
+
+
+@gpu
+@need_torch
 def test_second_gpu(monkeypatch):
     """Arrays on cuda:1 are computed there, whatever the current device is: the first
     call (the full path), a second one of the same signature (torch tensors: the bound

@@ -70,7 +70,8 @@ def test_digits_cnn(capsys):
     assert all(abs(c + a - t) <= 1e-2 * t for c, a, t in zip(carried, added, total))
     # the propagated logit spread agrees with sampled noisy networks (ReLU is approximate;
     # 100 samples give the sampled std to ~7 %)
-    ratio = float(re.search(r"sampled over \d+ noisy networks: (\S+)", text)[1])
+    # (the number alone: one H200 run captured "1.01(1 = exact", the space lost)
+    ratio = float(re.search(r"sampled over \d+ noisy networks: ([^\s(]+)", text)[1])
     assert 0.7 < ratio < 1.4
 
 

@@ -206,3 +206,74 @@ def test_number_c_beyond_float32_on_the_fast_path(spy):
         convcov.accumulate(out, None, mu, c, 3, backend="numba")
     assert spy.taken[1:] == [True, None]
     assert (out == 0).all()
+
+
+# ---------------------------------------------------------------------------------------
+# The GPU launchers' kept scratch (convcov._arrays.kept_torch_scratch): its policy, with a
+# stand-in for torch's allocator; tests/test_cupy.py checks it on the GPU.
+
+
+def test_kept_scratch_policy(monkeypatch):
+    """One block per (device, stream) and thread, reused while big enough, replaced (the
+    old one dropped) when a call needs more, all dropped when a thread passes KEEP_STREAMS
+    streams, and per thread: another thread gets its own blocks, dropped when it ends."""
+    import weakref
+
+    from convcov import _arrays
+
+    made = []
+
+    class Owner:  # stands for torch's block; dropping it gives the memory back
+        pass
+
+    def fake_scratch(nbytes, dev, stream, current=False):
+        assert current  # kept scratch is taken on the current device only
+        owner = Owner()
+        made.append(weakref.ref(owner))
+        return owner, 1000 * len(made)
+
+    monkeypatch.setattr(_arrays, "torch_scratch", fake_scratch)
+    mine = _arrays._kept.__dict__  # this thread's blocks
+    saved = dict(mine)
+    mine.clear()
+    try:
+        _check_kept_policy(_arrays, made)
+    finally:
+        mine.clear()
+        mine.update(saved)
+
+
+def _check_kept_policy(_arrays, made):
+    import gc
+    import threading
+    import weakref
+
+    kept, mine = _arrays.kept_torch_scratch, _arrays._kept.__dict__
+    assert kept(100, 0, 7) == kept(100, 0, 7) == kept(60, 0, 7) == 1000  # reused
+    assert kept(200, 0, 7) == 2000  # bigger: a new block ...
+    gc.collect()
+    assert made[0]() is None  # ... and the old one given back
+    assert kept(200, 0, 8) == 3000 and kept(200, 1, 7) == 4000  # per stream and device
+    assert kept(150, 0, 7) == 2000
+    for stream in range(9, 9 + _arrays.KEEP_STREAMS - 3):
+        kept(10, 0, stream)
+    assert len(mine) == _arrays.KEEP_STREAMS
+    owners = [weakref.ref(e[0]) for e in mine.values()]
+    assert kept(10, 0, 99) == 1000 * len(made)  # one stream too many: start over
+    gc.collect()
+    assert len(mine) == 1 and all(o() is None for o in owners)
+
+    main = kept(100, 0, 7)
+    in_thread = []
+
+    def other():
+        in_thread.append(kept(100, 0, 7))  # the same device and stream, another thread
+        in_thread.append(made[-1])
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
+    gc.collect()
+    assert in_thread[0] == 1000 * len(made) != main  # a block of its own
+    assert sorted(mine) == [(0, 7), (0, 99)] and kept(100, 0, 7) == main  # ours unchanged
+    assert in_thread[1]() is None  # the thread's block went when the thread ended

@@ -56,8 +56,8 @@ import array
 import struct
 import threading
 
-from .._arrays import (contiguous, current_stream, diag_strides, torch_scratch,
-                       torch_stream_getter, vector_width)
+from .._arrays import (KEEP_SCRATCH, contiguous, current_stream, diag_strides,
+                       kept_torch_scratch, torch_scratch, torch_stream_getter, vector_width)
 from .._registry import Backend
 
 #: Dtype names -> (code used by the kernels' run-time typed loads, C++ storage type, bytes).
@@ -1520,7 +1520,8 @@ class CupyBackend(Backend):
     def bind(self, p):
         """The launcher of p's signature for the front end's fast path (Backend.bind): the
         plan is found once; a call makes the device current, reads the stream, takes
-        scratch and launches. The fast path binds torch calls only; what _on_device and
+        scratch (the thread's kept block when it is small: _arrays.kept_torch_scratch) and
+        launches. The fast path binds torch calls only; what _on_device and
         _launch look up on each call is looked up here, once: the host's time before the
         first kernel is the GPU's idle time in a small call."""
         if p.device[1] is None or p.kind != "torch":
@@ -1530,7 +1531,9 @@ class CupyBackend(Backend):
         enter, tls, runtime = self._enter, self._tls, self._cp.cuda.runtime
         get_device, set_device = runtime.getDevice, runtime.setDevice
         launch_kernel, stream_of = self._cp.cuda.driver.launchKernel, torch_stream_getter()
+        capturing = runtime.streamIsCapturing
         nbytes = plan.scratch * (8 if plan.acc == "float64" else 4)
+        keep = 0 < nbytes <= KEEP_SCRATCH  # small: the thread keeps it (kept_torch_scratch)
         dev = device[1]
 
         def run(out, gamma, mu, c, optr, gptr, mptr, cptr, c_value):
@@ -1539,7 +1542,11 @@ class CupyBackend(Backend):
                 prev = enter(device)[2]  # make it current (and this thread ready)
             try:
                 stream = stream_of(dev)
-                buf, s_ptr = torch_scratch(nbytes, dev, stream, True) if nbytes else (None, 0)
+                if keep and not capturing(stream):
+                    buf, s_ptr = None, kept_torch_scratch(nbytes, dev, stream)
+                else:
+                    buf, s_ptr = (torch_scratch(nbytes, dev, stream, True) if nbytes
+                                  else (None, 0))
                 _enqueue(launch_kernel, plan, stream, s_ptr, optr, gptr, mptr, cptr, c_value)
                 del buf  # back to its stream-ordered pool, after our kernels
             finally:

@@ -1,6 +1,7 @@
 """Shared by the A/B scripts here: a call's whole time and its GPU part, alternately;
 per-kernel times; one printed row of all three."""
 import statistics as st
+import time
 
 import torch
 
@@ -177,3 +178,35 @@ def abab(dev, bw, names, backends, set_flag, label, flags=(False, True), rounds=
             set_flag(be, flags[-1])
         x = base = None  # free this workload's arrays before the next one's
         torch.cuda.empty_cache()
+
+
+def spin(us):
+    """Keep the thread running (in Python) for ``us`` microseconds."""
+    t = time.perf_counter() + us * 1e-6
+    while time.perf_counter() < t:
+        pass
+
+
+def timed(f, how):
+    """Queue f between two CUDA events after draining the queue: ``how`` "idle" (the
+    bench's way), "warm" (after spinning 200 µs) or "gpu" (a sleep kernel queued first
+    hides the host's dispatch). The events; read them after a synchronize."""
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    if how == "warm":
+        spin(200)
+    elif how == "gpu":
+        torch.cuda._sleep(2_000_000)
+    e0.record(); f(); e1.record()
+    return e0, e1
+
+
+def probe_setup(argv):
+    """A probe's start: (n from argv[1], default 40; the bench's CUDA device; its copy
+    bandwidth, printed; the bench's workloads by name)."""
+    from convcov import bench
+
+    dev = bench._Cuda()
+    bw = dev.copy_bandwidth()
+    print(f"copy {bw / 1e9:.0f} GB/s", flush=True)
+    return (int(argv[1]) if len(argv) > 1 else 40), dev, bw, {w.name: w for w in bench.WORKLOADS}
