@@ -287,6 +287,25 @@ def test_more_than_2_31_elements(path, layout):
 
 
 # ------------------------------------------------------------------ threads, devices
+def _twenty_calls(job, expected, own_stream, start):
+    """A thread's part of the threads tests: once every thread is ready (start), 20
+    calls on the job's arrays (out restored before each) on torch's current stream or
+    on a stream of its own; the result must have expected's bits."""
+    import torch
+
+    out, g, mu, c, k, conv = job
+    src = out.clone()
+    stream = torch.cuda.Stream() if own_stream else torch.cuda.current_stream()
+    torch.cuda.current_stream().synchronize()
+    start()
+    with torch.cuda.stream(stream):
+        for _ in range(20):
+            out.copy_(src)
+            convcov.accumulate(out, g, mu, c, k, backend="cupy", **conv)
+    stream.synchronize()
+    assert torch.equal(out, expected), "wrong result"
+
+
 @gpu
 @need_torch
 def test_threads_at_once():
@@ -307,20 +326,31 @@ def test_threads_at_once():
         expected.append(e)
     torch.cuda.synchronize()
 
-    def work(i, start):
-        out, g, mu, c, k, conv = jobs[i]
-        src = out.clone()
-        stream = torch.cuda.Stream() if i % 2 else torch.cuda.current_stream()
-        torch.cuda.current_stream().synchronize()
-        start()
-        with torch.cuda.stream(stream):
-            for _ in range(20):
-                out.copy_(src)
-                convcov.accumulate(out, g, mu, c, k, backend="cupy", **conv)
-        stream.synchronize()
-        assert torch.equal(out, expected[i]), "wrong result"
+    at_once(len(jobs), lambda i, start: _twenty_calls(jobs[i], expected[i], i % 2, start))
 
-    at_once(len(jobs), work)
+
+@gpu
+@need_torch
+@pytest.mark.parametrize("path", ["direct", "three"], indirect=True)
+def test_threads_share_a_bound_signature(path):
+    """Eight threads call one signature at once, each with its own arrays, half of them on
+    one stream: the first bound call claims the launcher's own Args structs (a lock), the
+    others fill copies, and every result has the bits of the full path's."""
+    import torch
+
+    rng = np.random.default_rng(23)
+    jobs = [_problem(rng, "torch_cuda", ["float32"] * 4, ["contiguous"] * 3) for _ in range(8)]
+    expected = []
+    for out, g, mu, c, k, conv in jobs:  # conv parameters as lists: the full path, unbound
+        e = out.clone()
+        convcov.accumulate(e, g, mu, c, list(k), backend="cupy",
+                           **{n: list(v) if isinstance(v, tuple) else v for n, v in conv.items()})
+        expected.append(e)
+    assert not _frontend._bound
+    torch.cuda.synchronize()
+
+    at_once(len(jobs), lambda i, start: _twenty_calls(jobs[i], expected[i], i % 2, start))
+    assert len(_frontend._bound) == 1
 
 
 @gpu
