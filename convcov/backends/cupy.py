@@ -1142,8 +1142,8 @@ class _Launch:
 
 
 def _fill(ln, optr, gptr, mptr, cptr, t_ptr, s_ptr, c_bits):
-    """A copy of ``ln``'s Args template with the call's addresses written in (the
-    launches' and the test suite's host build's one way to do it: _write)."""
+    """A copy of ``ln``'s Args template with the call's addresses written in (_write, as
+    the launches write them; the test suite's host build runs the kernels on these)."""
     return _write(ln.args[:], optr, gptr, mptr, cptr, t_ptr, s_ptr, c_bits)
 
 
@@ -1159,20 +1159,29 @@ def _write(args, optr, gptr, mptr, cptr, t_ptr, s_ptr, c_bits):
     return args
 
 
-def _enqueue(launch_kernel, plan, stream, s_ptr, optr, gptr, mptr, cptr, c_value):
-    """Launch every kernel of ``plan`` on ``stream`` (its device current) with scratch at
-    ``s_ptr`` and the addresses of out, gamma, mu and c (0 for an absent gamma, which the
-    kernels test, and for a number c, which they then take from c_value)."""
-    t_ptr, c_bits = s_ptr + plan.t_offset, _c_bits(cptr, c_value)
+def _slots(plan):
+    """Per launch of ``plan``: (function, grid, an Args struct of its own, the address of
+    a one-entry kernel-parameter array pointing at that struct, the array). cuLaunchKernel
+    copies the parameters, so a thread may reuse its slots as soon as a launch returns."""
+    slots = []
     for ln in plan.launches:
-        _cu_launch(launch_kernel, ln, _fill(ln, optr, gptr, mptr, cptr, t_ptr, s_ptr, c_bits),
-                   stream)
+        args = ln.args[:]
+        params = array.array("Q", (args.buffer_info()[0],))  # void*[1] -> Args
+        slots.append((ln.func, ln.grid, args, params.buffer_info()[0], params))
+    return slots
 
 
-def _c_bits(cptr, c_value):
-    """The Args field for c: 0 when c is an array (the kernels read it at ``cptr``), else
-    c_value's float64 bits."""
-    return 0 if cptr else _INT64.unpack(_DOUBLE.pack(c_value))[0]
+def _enqueue(launch_kernel, slots, t_offset, stream, s_ptr, optr, gptr, mptr, cptr,
+             c_value):
+    """Launch every kernel of a plan through its ``slots`` (_slots) on ``stream`` (its
+    device current) with scratch at ``s_ptr`` (T at ``t_offset`` bytes) and the
+    addresses of out, gamma, mu and c (0 for an absent gamma, which the kernels test, and
+    for a number c, which they then take from c_value)."""
+    t_ptr = s_ptr + t_offset
+    c_bits = 0 if cptr else _INT64.unpack(_DOUBLE.pack(c_value))[0]
+    for func, grid, args, params, _ in slots:
+        _write(args, optr, gptr, mptr, cptr, t_ptr, s_ptr, c_bits)
+        launch_kernel(func, grid, 1, 1, _THREADS, 1, 1, 0, stream, params, 0)
 
 
 def _cu_launch(launch_kernel, ln, args, stream):
@@ -1522,8 +1531,8 @@ class CupyBackend(Backend):
         test, and for a number c, which they then take from c_value)."""
         stream = current_stream(kind, dev)
         buf, s_ptr = self._scratch(kind, plan, dev, stream) if plan.scratch else (None, 0)
-        _enqueue(self._cp.cuda.driver.launchKernel, plan, stream, s_ptr, optr, gptr, mptr,
-                 cptr, c_value)
+        _enqueue(self._cp.cuda.driver.launchKernel, _slots(plan), plan.t_offset, stream,
+                 s_ptr, optr, gptr, mptr, cptr, c_value)
         del buf  # back to its stream-ordered pool: reuse is ordered after our kernels
 
     def bind(self, p):
@@ -1544,17 +1553,10 @@ class CupyBackend(Backend):
         nbytes = plan.scratch * (8 if plan.acc == "float64" else 4)
         keep = 0 < nbytes <= KEEP_SCRATCH  # small: the thread keeps it (kept_torch_scratch)
         dev = device[1]
-        # One thread (the first to call) writes its addresses into Args structs made here,
-        # whose kernel-parameter arrays are made here too: cuLaunchKernel copies them, so
-        # they are free again when it returns. 1.8 -> 0.7 µs of Python for three launches
-        # on this project's host. Other threads fill copies of the templates (_enqueue).
-        own = []
-        for ln in plan.launches:
-            args = ln.args[:]
-            params = array.array("Q", (args.buffer_info()[0],))  # void*[1] -> Args
-            own.append((ln.func, ln.grid, args, params.buffer_info()[0], params))
-        owner, claim, get_ident = [None], threading.Lock(), threading.get_ident
-        t_offset = plan.t_offset
+        # The first thread to call uses slots made here (_slots); others make theirs per
+        # call. 1.8 -> 0.7 µs of Python for three launches on this project's host.
+        own, owner, claim = _slots(plan), [None], threading.Lock()
+        get_ident, t_offset = threading.get_ident, plan.t_offset
 
         def run(out, gamma, mu, c, optr, gptr, mptr, cptr, c_value):
             prev = None
@@ -1572,14 +1574,8 @@ class CupyBackend(Backend):
                     with claim:
                         if owner[0] is None:
                             owner[0] = me
-                if owner[0] == me:
-                    t_ptr, c_bits = s_ptr + t_offset, _c_bits(cptr, c_value)
-                    for func, grid, args, params, _ in own:
-                        _write(args, optr, gptr, mptr, cptr, t_ptr, s_ptr, c_bits)
-                        launch_kernel(func, grid, 1, 1, _THREADS, 1, 1, 0, stream, params, 0)
-                else:
-                    _enqueue(launch_kernel, plan, stream, s_ptr, optr, gptr, mptr, cptr,
-                             c_value)
+                _enqueue(launch_kernel, own if owner[0] == me else _slots(plan), t_offset,
+                         stream, s_ptr, optr, gptr, mptr, cptr, c_value)
                 del buf  # back to its stream-ordered pool, after our kernels
             finally:
                 if prev is not None:
