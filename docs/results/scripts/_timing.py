@@ -187,16 +187,16 @@ def spin(us):
         pass
 
 
-def timed(f, how):
+def timed(f, how, cycles=2_000_000):
     """Queue f between two CUDA events after draining the queue: ``how`` "idle" (the
-    bench's way), "warm" (after spinning 200 µs) or "gpu" (a sleep kernel queued first
-    hides the host's dispatch). The events; read them after a synchronize."""
+    bench's way), "warm" (after spinning 200 µs) or "gpu" (a sleep kernel of ``cycles``
+    queued first hides the host's dispatch). The events; read them after a synchronize."""
     torch.cuda.synchronize()
     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     if how == "warm":
         spin(200)
     elif how == "gpu":
-        torch.cuda._sleep(2_000_000)
+        torch.cuda._sleep(cycles)
     e0.record(); f(); e1.record()
     return e0, e1
 
@@ -210,3 +210,26 @@ def probe_setup(argv):
     bw = dev.copy_bandwidth()
     print(f"copy {bw / 1e9:.0f} GB/s", flush=True)
     return (int(argv[1]) if len(argv) > 1 else 40), dev, bw, {w.name: w for w in bench.WORKLOADS}
+
+
+def gpu_median(f, n=30):
+    """Median GPU time of f in µs: n calls timed(f, "gpu", 1_000_000) (the probes' timing,
+    ab56.py-ab59.py)."""
+    ts = []
+    for _ in range(n):
+        e0, e1 = timed(f, "gpu", 1_000_000)
+        torch.cuda.synchronize()
+        ts.append(e0.elapsed_time(e1) * 1e3)
+    return st.median(ts)
+
+
+def mid_inputs():
+    """The bench's CUDA device, its copy bandwidth (printed), the `mid` workload and one
+    set of its bench inputs."""
+    from convcov import bench
+
+    dev = bench._Cuda()
+    bw = dev.copy_bandwidth()
+    print(f"copy bandwidth {bw/1e9:.0f} GB/s", flush=True)
+    w = {w.name: w for w in bench.WORKLOADS}["mid"]
+    return dev, bw, w, bench._inputs(dev, w)
