@@ -356,6 +356,11 @@ def accumulate(out, gamma, mu, c, kernel_size, *, stride=1, padding=0, dilation=
                                    groups, backend)
             if fast_key is True:
                 return out
+    else:  # a NumPy array: likewise
+        fast_key = _numpy_fast(out, gamma, mu, c, kernel_size, stride, padding, dilation,
+                               groups, backend)
+        if fast_key is True:
+            return out
     p = normalise(out, gamma, mu, c, kernel_size, stride, padding, dilation, groups)
     b = _registry.select(backend, p.device[0], _dtypes(p))
     if p.kind == "torch":
@@ -375,18 +380,19 @@ def accumulate(out, gamma, mu, c, kernel_size, *, stride=1, padding=0, dilation=
 
 
 # ---------------------------------------------------------------------------------------
-# Torch: the fast path of repeated call signatures.
+# Torch tensors and NumPy arrays: the fast path of repeated call signatures.
 #
-# A small call's time is mostly the host's (SPEC's toy and mid workloads on a GPU): the
-# validation above, though cached per signature, still describes each array (ArrayInfo),
-# builds a Problem, selects a backend and lets the backend find its launch plan. A
-# signature seen before (types, dtypes, devices, shapes, strides, address alignment, conv
-# parameters, backend request, CONVCOV_BACKEND and the registry's generation) skips all of that: it keeps a
-# _Bound (what validation derived, and the backend's launcher for it, Backend.bind), and a
-# call only reads the addresses, checks the aliasing and the autograd routing, counts the
-# write and launches. Torch tensors of the exact class only (no subclass, not while
-# torch.compile looks): that is where the host time matters, and their attributes are
-# cheap to read.
+# A small call's time is mostly the host's (SPEC's toy and mid workloads on a GPU, toy on
+# the host): the validation above, though cached per signature, still describes each
+# array (ArrayInfo), builds a Problem, selects a backend and lets the backend find its
+# launch plan. A signature seen before (types, dtypes, devices, shapes, strides, address
+# alignment, writeability, conv parameters, backend request, CONVCOV_BACKEND and the
+# registry's generation) skips all of that: it keeps a _Bound (what validation derived,
+# and the backend's launcher for it, Backend.bind), and a call only reads the addresses,
+# checks the aliasing (and, for torch, the autograd routing and the write count) and
+# launches. Exact classes only (no subclass; for torch, not while torch.compile looks).
+# CuPy and numba device arrays take the full path: their descriptions
+# (__cuda_array_interface__) cost what the full path's caches already save.
 
 _Tensor = None  # torch.Tensor, once a torch tensor was seen (_traced binds it)
 # CONVCOV_BACKEND, read on every call: from the dict os.environ keeps current (CPython's
@@ -399,14 +405,27 @@ except AttributeError:  # pragma: no cover - not CPython's os.environ
 
 
 class _Bound:
-    """A validated call signature: its backend's launcher (Backend.bind) and the byte
-    spans of out, gamma, mu and c relative to their addresses (for the aliasing check)."""
+    """A validated call signature: its backend's launcher (Backend.bind) and, for gamma,
+    mu and c, the open interval of (its address - out's address) in which it would
+    overlap out (None: it cannot, being absent or empty, or out being empty)."""
 
-    __slots__ = ("run", "so", "sg", "sm", "sc")
+    __slots__ = ("run", "g", "m", "c")
 
     def __init__(self, run, spans):
         self.run = run
-        self.so, self.sg, self.sm, self.sc = spans
+        so = spans[0]
+        # [o + so0, o + so1) and [x + sx0, x + sx1) meet iff so0 - sx1 < x - o < so1 - sx0
+        self.g, self.m, self.c = (None if so is None or sx is None else
+                                  (so[0] - sx[1], so[1] - sx[0]) for sx in spans[1:])
+
+
+def _aliased(e: _Bound, o_ptr, g_ptr, m_ptr, c_ptr) -> bool:
+    """Whether gamma, mu or c at these addresses would overlap out (the full path then
+    raises the error): _arrays.overlaps on e's intervals, which this runs on every call."""
+    g, m, c = e.g, e.m, e.c
+    return ((g is not None and g[0] < g_ptr - o_ptr < g[1])
+            or (m is not None and m[0] < m_ptr - o_ptr < m[1])
+            or (c is not None and c[0] < c_ptr - o_ptr < c[1]))
 
 
 _bound: dict = {}  # fast signature (_torch_fast) -> _Bound, or None: no fast path for it
@@ -423,6 +442,25 @@ def _bind(b: _registry.Backend, p: Problem):
         run, _spans(p.out_info, p.gamma_info, p.mu_info, p.c_info))
 
 
+def _number_c(tc, c):
+    """(key, address 0, value) for a c of type tc that is a Python number float32 holds;
+    None for anything else. (Beyond float32 the full path decides the sums' dtype from c:
+    normalise. NaN compares false, so it takes the full path too.)"""
+    if (tc is float or tc is int) and -_F32_MAX <= c <= _F32_MAX:
+        return tc, 0, float(c)
+    return None
+
+
+def _plain_call(kernel_size, stride, padding, dilation, groups, backend) -> bool:
+    """Conv parameters that are ints or tuples of ints and a backend that is a name or
+    None: what a fast path's key may hold (anything else takes the full path)."""
+    return ((type(kernel_size) is int or _plain_param(kernel_size))
+            and (type(stride) is int or _plain_param(stride))
+            and (type(padding) is int or _plain_param(padding))
+            and (type(dilation) is int or _plain_param(dilation))
+            and type(groups) is int and (backend is None or type(backend) is str))
+
+
 def _torch_fast(out, gamma, mu, c, kernel_size, stride, padding, dilation, groups, backend):
     """Run a torch call whose signature is bound (True); else the signature's key, for
     accumulate to bind after its full path, or None when the call cannot take this path.
@@ -437,15 +475,13 @@ def _torch_fast(out, gamma, mu, c, kernel_size, stride, padding, dilation, group
     if type(out) is not T:
         return None
     tc = type(c)
-    if tc is float or tc is int:
-        c_key, c_ptr, c_value = tc, 0, float(c)
-        if not -_F32_MAX <= c_value <= _F32_MAX:
-            return None  # the full path decides the sums' dtype from this c (normalise)
-    elif tc is T:
+    if tc is T:
         c_ptr = c.data_ptr()
         c_key, c_value = (c.dtype, c.shape, c.stride(), c.device, c_ptr & 15), 0.0
     else:
-        return None
+        c_key, c_ptr, c_value = _number_c(tc, c) or (None, None, None)
+        if c_ptr is None:
+            return None
     if gamma is None:
         g_key, g_ptr = None, 0
     elif type(gamma) is T:
@@ -453,11 +489,7 @@ def _torch_fast(out, gamma, mu, c, kernel_size, stride, padding, dilation, group
         g_key = (gamma.dtype, gamma.shape, gamma.stride(), gamma.device, g_ptr & 15)
     else:
         return None
-    if not (type(kernel_size) is int or _plain_param(kernel_size)) or not (
-            type(stride) is int or _plain_param(stride)) or not (
-            type(padding) is int or _plain_param(padding)) or not (
-            type(dilation) is int or _plain_param(dilation)) or type(groups) is not int or not (
-            backend is None or type(backend) is str):
+    if not _plain_call(kernel_size, stride, padding, dilation, groups, backend):
         return None
     o_ptr, m_ptr = out.data_ptr(), mu.data_ptr()
     key = (kernel_size, stride, padding, dilation, groups, backend,
@@ -471,16 +503,61 @@ def _torch_fast(out, gamma, mu, c, kernel_size, stride, padding, dilation, group
             out.requires_grad or mu.requires_grad or (g_key is not None and gamma.requires_grad)
             or (tc is T and c.requires_grad))):
         return None
-    so = e.so
-    if so is not None:  # out must alias no input (the full path raises the error);
-        # _arrays.overlaps on addresses, inlined: this runs on every call
-        for ptr, s in ((g_ptr, e.sg), (m_ptr, e.sm), (c_ptr, e.sc)):
-            if s is not None and o_ptr + so[0] < ptr + s[1] and ptr + s[0] < o_ptr + so[1]:
-                return None
+    if _aliased(e, o_ptr, g_ptr, m_ptr, c_ptr):
+        return None
     e.run(out, gamma, mu, c, o_ptr, g_ptr, m_ptr, c_ptr, c_value)
     # Count the write, as torch's in-place ops do; after the launch, which is what a
     # small call's time waits for (the full path counts first: no difference to autograd).
     _increment_version(out)
+    return True
+
+
+def _address(a) -> int:
+    """A NumPy array's data address. (``a.ctypes.data`` costs the same 0.8 µs: both
+    build an object around it.)"""
+    return a.__array_interface__["data"][0]
+
+
+def _numpy_fast(out, gamma, mu, c, kernel_size, stride, padding, dilation, groups, backend):
+    """_torch_fast for NumPy arrays (mu is one): run a bound signature (True); else its
+    key, or None when the call cannot take this path. No autograd, no version count;
+    out's writeability is part of the key (the full path raises for a read-only out).
+
+    It mirrors _torch_fast step for step, on purpose: both run before every small call's
+    first kernel, and a helper shared by the two would cost a Python call for each array
+    (about 50 ns each on this project's host, more on the GPU machines')."""
+    if type(out) is not _ndarray:
+        return None
+    tc = type(c)
+    if tc is _ndarray:
+        c_ptr = _address(c)
+        c_key, c_value = (c.dtype, c.shape, c.strides, c_ptr & 15), 0.0
+    else:
+        c_key, c_ptr, c_value = _number_c(tc, c) or (None, None, None)
+        if c_ptr is None:
+            return None
+    if gamma is None:
+        g_key, g_ptr = None, 0
+    elif type(gamma) is _ndarray:
+        g_ptr = _address(gamma)
+        g_key = (gamma.dtype, gamma.shape, gamma.strides, g_ptr & 15)
+    else:
+        return None
+    if not _plain_call(kernel_size, stride, padding, dilation, groups, backend):
+        return None
+    o_ptr, m_ptr = _address(out), _address(mu)
+    # "numpy" first: never equal to a torch signature's key, whose first item is an int
+    # or a tuple, so no comparison reaches a NumPy dtype against a torch one
+    key = ("numpy", kernel_size, stride, padding, dilation, groups, backend,
+           _environ_get(_ENV_KEY), _registry.generation,
+           out.dtype, out.shape, out.strides, out.flags.writeable, o_ptr & 15, g_key,
+           mu.dtype, mu.shape, mu.strides, m_ptr & 15, c_key)
+    e = _bound.get(key, key)
+    if e is key:  # not seen: the full path, then bind
+        return key
+    if e is None or _aliased(e, o_ptr, g_ptr, m_ptr, c_ptr):
+        return None
+    e.run(out, gamma, mu, c, o_ptr, g_ptr, m_ptr, c_ptr, c_value)
     return True
 
 

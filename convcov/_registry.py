@@ -73,7 +73,8 @@ class Backend:
     def bind(self, problem):
         """A launcher for later calls with ``problem``'s signature, or None (the default).
 
-        The front end's fast path for torch tensors (``_frontend._torch_fast``) calls,
+        The front end's fast path for torch tensors and NumPy arrays
+        (``_frontend._torch_fast``, ``_numpy_fast``) calls,
         for a signature that passed validation and ran once, ``run(out, gamma, mu, c,
         out_ptr, gamma_ptr, mu_ptr, c_ptr, c_value)``: the user's objects, their addresses
         (0 for an absent gamma or a c that is a number) and ``c_value``, c as a float when

@@ -1,8 +1,9 @@
-"""The front end's fast path for torch tensors (convcov/_frontend.py, ``_torch_fast``): a
-call signature seen before runs its backend's bound launcher (``Backend.bind``) instead of
-the full validation. Everything the full path does must still hold on it: each call's own
-addresses, the aliasing check, autograd routing, the version counter, CONVCOV_BACKEND and
-newly registered backends read per call, and threads. Torch CPU tensors with the numba
+"""The front end's fast path for torch tensors and NumPy arrays (convcov/_frontend.py,
+``_torch_fast``, ``_numpy_fast``): a call signature seen before runs its backend's bound
+launcher (``Backend.bind``) instead of the full validation. Everything the full path does
+must still hold on it: each call's own addresses, the aliasing check, a read-only out,
+autograd routing and the version counter (torch), CONVCOV_BACKEND and newly registered
+backends read per call, and threads. Torch CPU tensors and NumPy arrays with the numba
 backend (which binds) here; tests/test_cupy.py and tests/test_numba_cuda.py repeat calls
 on the GPU."""
 
@@ -16,7 +17,7 @@ from convcov import Backend, _frontend, _registry
 
 from kinds import HAS_TORCH, at_once
 
-pytestmark = pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed")
+needs_torch = pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed")
 
 B, Ci, Co, H, K = 2, 3, 2, 6, 3
 HO = H - K + 1
@@ -60,6 +61,7 @@ def spy(monkeypatch):
     return Spy(monkeypatch)
 
 
+@needs_torch
 @pytest.mark.parametrize("c_tensor", [True, False])
 def test_each_call_uses_its_own_arrays(spy, c_tensor):
     """Fresh tensors of a bound signature: each call reads and writes its own memory."""
@@ -72,6 +74,7 @@ def test_each_call_uses_its_own_arrays(spy, c_tensor):
     assert spy.taken[1:] == [True, True, True]
 
 
+@needs_torch
 def test_version_counter_counts_each_call(spy):
     out, gamma, mu, c = tensors()
     v = out._version
@@ -81,6 +84,7 @@ def test_version_counter_counts_each_call(spy):
     assert spy.taken[-1] is True
 
 
+@needs_torch
 def test_aliasing_is_checked_on_every_call(spy):
     """A signature bound with separate arrays, then called with out overlapping mu (same
     shapes, strides and alignment): ValueError, out unchanged."""
@@ -102,6 +106,7 @@ def test_aliasing_is_checked_on_every_call(spy):
     assert torch.equal(out, before)
 
 
+@needs_torch
 def test_autograd_still_routed(spy):
     """A bound signature whose tensors now require grad goes through the operator, which
     gives the gradients."""
@@ -147,6 +152,7 @@ def counting():
         _registry.unregister(b.name)
 
 
+@needs_torch
 def test_environment_and_registry_read_per_call(spy, counting, monkeypatch):
     a, b = counting
     args = tensors()
@@ -167,6 +173,7 @@ def test_environment_and_registry_read_per_call(spy, counting, monkeypatch):
     assert (c.full, a.full, a.bound) == (1, 1, 3)
 
 
+@needs_torch
 def test_unusual_arguments_take_the_full_path(spy, counting):
     """Conv parameters given as lists, a backend list, a numpy c: the full path, each time."""
     a = counting[0]
@@ -178,11 +185,14 @@ def test_unusual_arguments_take_the_full_path(spy, counting):
     assert a.bound == 0 and a.full == 9 and set(spy.taken) == {None}  # never a key
 
 
-def test_threads_on_a_bound_signature(spy):
-    """Eight threads, each its own tensors of one bound signature, calling at once."""
-    calls = [tensors(seed) for seed in range(8)]
+def threads_on_a_bound_signature(make, reference, host, taken):
+    """Eight threads, each its own arrays (``make(seed)``) of one signature that a first
+    call binds, calling at once; every result against ``reference``; ``taken`` (the
+    spy's record) shows the bound launcher ran each time."""
+    calls = [make(seed) for seed in range(8)]
     want = [reference(*a) for a in calls]
-    convcov.accumulate(*tensors(99), K, backend="numba")  # binds the signature
+    del taken[:]  # (the references' calls)
+    convcov.accumulate(*make(99), K, backend="numba")  # binds the signature
 
     def work(i, start):
         start()
@@ -190,10 +200,16 @@ def test_threads_on_a_bound_signature(spy):
 
     at_once(8, work)
     for a, w in zip(calls, want):
-        np.testing.assert_allclose(a[0].double().numpy(), w, rtol=1e-5, atol=1e-5)
-    assert spy.taken[1:] == [True] * 8
+        np.testing.assert_allclose(host(a[0]), w, rtol=1e-5, atol=1e-5)
+    assert taken[1:] == [True] * 8
 
 
+@needs_torch
+def test_threads_on_a_bound_signature(spy):
+    threads_on_a_bound_signature(tensors, reference, lambda t: t.double().numpy(), spy.taken)
+
+
+@needs_torch
 def test_number_c_beyond_float32_on_the_fast_path(spy):
     """A bound float32 signature called with a number c that float32 cannot hold leaves
     the fast path: the full path sums it in float64 (normalise), so S = 0 gives zeros,
@@ -209,10 +225,122 @@ def test_number_c_beyond_float32_on_the_fast_path(spy):
 
 
 # ---------------------------------------------------------------------------------------
+# NumPy arrays (_numpy_fast): the same promises, without autograd and version counts.
+
+
+def arrays(seed=0, c_array=True):
+    rng = np.random.default_rng(seed)
+    out = rng.standard_normal((B, Co, HO, HO, Co, HO, HO)).astype(np.float32)
+    gamma = rng.random((B, Ci, H, H, H, H)).astype(np.float32)
+    mu = rng.standard_normal((B, Ci, H, H)).astype(np.float32)
+    c = (rng.random(Co) + 0.5).astype(np.float32) if c_array else 0.75
+    return out, gamma, mu, c
+
+
+def reference_np(out, gamma, mu, c):
+    """What the call must give: the numpy backend on float64 copies."""
+    c64 = c if isinstance(c, float) else c.astype(np.float64)
+    return convcov.accumulate(out.astype(np.float64), gamma.astype(np.float64),
+                              mu.astype(np.float64), c64, K, backend="numpy")
+
+
+@pytest.fixture
+def np_spy(monkeypatch):
+    """What each _numpy_fast call returned (True: the bound launcher ran)."""
+    monkeypatch.delenv("CONVCOV_BACKEND", raising=False)
+    monkeypatch.setattr(_frontend, "_bound", {})
+    taken, fast = [], _frontend._numpy_fast
+
+    def spy(*args):
+        taken.append(fast(*args))
+        return taken[-1]
+
+    monkeypatch.setattr(_frontend, "_numpy_fast", spy)
+    return taken
+
+
+@pytest.mark.parametrize("c_array", [True, False])
+def test_numpy_each_call_uses_its_own_arrays(np_spy, c_array):
+    calls = [arrays(seed, c_array) for seed in range(4)]
+    want = [reference_np(*a) for a in calls]
+    del np_spy[:]  # (the references' calls)
+    for a, w in zip(calls, want):
+        assert convcov.accumulate(*a, K, backend="numba") is a[0]
+        np.testing.assert_allclose(a[0], w, rtol=1e-5, atol=1e-5)
+    assert type(np_spy[0]) is tuple and np_spy[1:] == [True, True, True]
+
+
+def test_numpy_aliasing_is_checked_on_every_call(np_spy):
+    n_out, n_mu = B * Co * HO**4 * Co, B * Ci * H * H
+    buf = np.zeros(n_out + n_mu + 8, np.float32)
+    out = buf[:n_out].reshape(B, Co, HO, HO, Co, HO, HO)
+    gamma = arrays()[1]
+    mu = buf[n_out + 8:].reshape(B, Ci, H, H)
+    mu[...] = 1.0
+    for _ in range(3):
+        convcov.accumulate(out, gamma, mu, 1.0, K, backend="numba")
+    assert np_spy[-1] is True
+    mu_alias = buf[n_out - 8:n_out - 8 + n_mu].reshape(B, Ci, H, H)
+    before = out.copy()
+    with pytest.raises(ValueError, match="out: shares memory with mu"):
+        convcov.accumulate(out, gamma, mu_alias, 1.0, K, backend="numba")
+    assert np_spy[-1] is None
+    np.testing.assert_array_equal(out, before)
+
+
+def test_numpy_read_only_out_raises_after_binding(np_spy):
+    out, gamma, mu, c = arrays()
+    for _ in range(2):
+        convcov.accumulate(out, gamma, mu, c, K, backend="numba")
+    assert np_spy[-1] is True
+    frozen = out.copy()
+    frozen.flags.writeable = False
+    with pytest.raises(ValueError, match="out: is read-only"):
+        convcov.accumulate(frozen, gamma, mu, c, K, backend="numba")
+    np.testing.assert_array_equal(frozen, out)
+
+
+def test_numpy_unusual_arguments_take_the_full_path(np_spy, counting, monkeypatch):
+    """A subclass of ndarray, a NumPy scalar c, a backend list: the full path each time;
+    plain arrays bind and then follow CONVCOV_BACKEND per call."""
+    a, b = counting
+    out, gamma, mu, c = arrays()
+
+    class Sub(np.ndarray):
+        pass
+
+    for _ in range(2):
+        convcov.accumulate(out.view(Sub), gamma, mu, c, K, backend="count_a")
+        convcov.accumulate(out, gamma, mu, np.float32(1.0), K, backend="count_a")
+        convcov.accumulate(out, gamma, mu, c, K, backend=["count_a"])
+    assert a.bound == 0 and a.full == 6 and set(np_spy) == {None}
+    monkeypatch.setenv("CONVCOV_BACKEND", "count_b")
+    for _ in range(3):
+        convcov.accumulate(out, gamma, mu, c, K)
+    assert (b.full, b.bound) == (1, 2)
+
+
+def test_numpy_threads_on_a_bound_signature(np_spy):
+    threads_on_a_bound_signature(arrays, reference_np, np.asarray, np_spy)
+
+
+def test_numpy_and_torch_signatures_do_not_meet(np_spy):
+    """The same shapes as NumPy arrays and as torch tensors bind two entries; each kind's
+    calls run their own."""
+    torch = pytest.importorskip("torch")
+    for _ in range(2):
+        convcov.accumulate(*arrays(), K, backend="numba")
+        convcov.accumulate(*(torch.from_numpy(x) if isinstance(x, np.ndarray) else x
+                             for x in arrays(1)), K, backend="numba")
+    assert np_spy == [np_spy[0], True] and len(_frontend._bound) == 2
+
+
+# ---------------------------------------------------------------------------------------
 # The GPU launchers' kept scratch (convcov._arrays.kept_torch_scratch): its policy, with a
 # stand-in for torch's allocator; tests/test_cupy.py checks it on the GPU.
 
 
+@needs_torch
 def test_kept_scratch_policy(monkeypatch):
     """One block per (device, stream) and thread, reused while big enough, replaced (the
     old one dropped) when a call needs more, all dropped when a thread passes KEEP_STREAMS
