@@ -428,7 +428,7 @@ def _aliased(e: _Bound, o_ptr, g_ptr, m_ptr, c_ptr) -> bool:
             or (c is not None and c[0] < c_ptr - o_ptr < c[1]))
 
 
-_bound: dict = {}  # fast signature (_torch_fast) -> _Bound, or None: no fast path for it
+_bound: dict = {}  # fast signature (_torch_fast, _numpy_fast) -> _Bound, or None: no fast path
 
 
 def _noop(*args):
