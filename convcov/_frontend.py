@@ -479,9 +479,10 @@ def _torch_fast(out, gamma, mu, c, kernel_size, stride, padding, dilation, group
         c_ptr = c.data_ptr()
         c_key, c_value = (c.dtype, c.shape, c.stride(), c.device, c_ptr & 15), 0.0
     else:
-        c_key, c_ptr, c_value = _number_c(tc, c) or (None, None, None)
-        if c_ptr is None:
+        number = _number_c(tc, c)
+        if number is None:
             return None
+        c_key, c_ptr, c_value = number
     if gamma is None:
         g_key, g_ptr = None, 0
     elif type(gamma) is T:
@@ -533,9 +534,10 @@ def _numpy_fast(out, gamma, mu, c, kernel_size, stride, padding, dilation, group
         c_ptr = _address(c)
         c_key, c_value = (c.dtype, c.shape, c.strides, c_ptr & 15), 0.0
     else:
-        c_key, c_ptr, c_value = _number_c(tc, c) or (None, None, None)
-        if c_ptr is None:
+        number = _number_c(tc, c)
+        if number is None:
             return None
+        c_key, c_ptr, c_value = number
     if gamma is None:
         g_key, g_ptr = None, 0
     elif type(gamma) is _ndarray:

@@ -42,16 +42,17 @@ def reference(out, gamma, mu, c):
 
 
 class Spy:
-    """Records what each _torch_fast call returned (True: the bound launcher ran)."""
+    """Records what each call of the fast path ``name`` (_torch_fast by default)
+    returned (True: the bound launcher ran)."""
 
-    def __init__(self, monkeypatch):
-        self.taken, fast = [], _frontend._torch_fast
+    def __init__(self, monkeypatch, name="_torch_fast"):
+        self.taken, fast = [], getattr(_frontend, name)
 
         def spy(*args):
             self.taken.append(fast(*args))
             return self.taken[-1]
 
-        monkeypatch.setattr(_frontend, "_torch_fast", spy)
+        monkeypatch.setattr(_frontend, name, spy)
 
 
 @pytest.fixture
@@ -249,14 +250,7 @@ def np_spy(monkeypatch):
     """What each _numpy_fast call returned (True: the bound launcher ran)."""
     monkeypatch.delenv("CONVCOV_BACKEND", raising=False)
     monkeypatch.setattr(_frontend, "_bound", {})
-    taken, fast = [], _frontend._numpy_fast
-
-    def spy(*args):
-        taken.append(fast(*args))
-        return taken[-1]
-
-    monkeypatch.setattr(_frontend, "_numpy_fast", spy)
-    return taken
+    return Spy(monkeypatch, "_numpy_fast").taken
 
 
 @pytest.mark.parametrize("c_array", [True, False])
