@@ -53,9 +53,15 @@ for s in sets:
 nb._run = real_run
 
 SRC = textwrap.dedent(inspect.getsource(nb._kernel))
-HEAD, P2 = SRC.split("        # Phase 2:")
-PRE = HEAD.split("        # Phase 1:")[0]
-PHASE1, PHASE2 = HEAD, PRE + "        # Phase 2:" + P2
+
+
+def phases(src):
+    """(the kernel ``src`` with phase 2 cut, the kernel ``src`` with phase 1 cut)."""
+    head, p2 = src.split("        # Phase 2:")
+    return head, head.split("        # Phase 1:")[0] + "        # Phase 2:" + p2
+
+
+PHASE1, PHASE2 = phases(SRC)
 
 
 def edit(code, old, new):
@@ -128,14 +134,14 @@ SPREAD = """                    if step == 4 and with_gamma and g_code == F32:
                                          HW, q0, q1, q2, q3)
                     elif step == 4:
                         m0, m1, m2, m3 ="""
-p1_spread = edit(edit(PHASE1, "if with_gamma and PF_GAMMA > 0:",
+SRC_SPREAD = edit(edit(SRC, "if with_gamma and PF_GAMMA > 0:",
                       "if with_gamma and PF_GAMMA > 0 and not (step == 4 and g_code == F32):"),
                  """                    if step == 4:
                         m0, m1, m2, m3 =""", SPREAD)
 
 # --- phase 2 variants
 ROW = "_add_row_any(o_addr, o_code, off, o_i1, o_j1, Ho, Wo, srow, cc)"
-p2_first = edit(edit(PHASE2, """            box_buf = np.empty(Ho * P, M.dtype)
+SRC_FIRST = edit(edit(SRC, """            box_buf = np.empty(Ho * P, M.dtype)
             srow_buf = np.empty(HoWo, M.dtype)
             Mp = _data(M)
             box = _data(box_buf)
@@ -163,18 +169,17 @@ variants = {
     "p1 one M row a task": compiled(edit(PHASE1, "dst = _offset(_data(M), (task * W + y0) * HW)",
                                          "dst = _offset(_data(M), (task * W) * HW)"), "_p1m"),
     "p1 no prefetch": with_prm(K1, pf_gamma=0),
-    "p1 spread prefetch": compiled(p1_spread, "_p1s", {"_add_quad_spread": _add_quad_spread}),
+    "p1 spread prefetch": compiled(phases(SRC_SPREAD)[0], "_p1s",
+                                   {"_add_quad_spread": _add_quad_spread}),
     "p2": K2,
     "p2 box filter": with_prm(compiled(edit(PHASE2, ROW, "srow[0] += cc"), "_p2b"), pf_out=0),
     "p2 out rows": compiled(edit(PHASE2, "for ii in range(kh):", "for ii in range(0):"), "_p2r"),
-    "p2 S rows first": compiled(p2_first, "_p2f"),
+    "p2 S rows first": compiled(phases(SRC_FIRST)[1], "_p2f"),
 }
 
 # The changed kernels must still compute the same thing where they claim to.
-for name, code in (("p1 spread prefetch", p1_spread), ("p2 S rows first", p2_first)):
-    whole = compiled((code + "        # Phase 2:" + P2) if name.startswith("p1") else
-                     (HEAD + "        # Phase 2:" + code.split("        # Phase 2:")[1]), "_chk",
-                     {"_add_quad_spread": _add_quad_spread})
+for name, code in (("p1 spread prefetch", SRC_SPREAD), ("p2 S rows first", SRC_FIRST)):
+    whole = compiled(code, "_chk", {"_add_quad_spread": _add_quad_spread})
     a, b = sets[0]["out"].copy(), sets[0]["out"].copy()
     for o, k in ((a, nb._parallel), (b, whole)):
         nb._run = lambda prm, cv, M, k=k: k(prm, cv, M)
