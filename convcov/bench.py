@@ -2,7 +2,9 @@
 
 For each reference workload and each available backend on the device: check the result
 against the numpy reference (on the first batch element, in float64), then time whole
-``convcov.accumulate`` calls (dispatch included) and take the median. The floor of one call
+``convcov.accumulate`` calls (dispatch included) and take the median. On a GPU the rows'
+calls are interleaved in rounds (``_rows``), so that no row alone catches a slow
+stretch of the device. The floor of one call
 is ``bytes / copy bandwidth`` with bytes = |gamma channel-diagonal| + |mu| +
 2 |out channel-diagonal| + |c| and the bandwidth of a large copy (bytes read + written)
 measured in the same run; ``fraction`` = floor / time (1.0 = at the memory floor). The
@@ -94,6 +96,11 @@ class _Host:
     """numpy arrays (torch views of them for the torch baselines)."""
 
     name = "cpu"
+    #: One row after another: on the 2-core host, interleaving made torch eager's `cpu`
+    #: row slower in 5 of 6 alternations (by up to 21%), which flatters numba's speed-up,
+    #: and the host's drift (its copy's two modes) is minutes long, beyond what rounds
+    #: within a run even out (docs/performance.md, "How the bench times").
+    rounds = 1
 
     def __init__(self):
         self.rng = np.random.default_rng(0)
@@ -139,13 +146,14 @@ class _Host:
                 best = max(best, 2 * a.nbytes / statistics.median(ts))
         return best
 
-    def time_calls(self, fn, repeat, budget_s):
+    def time_calls(self, fn, repeat, budget_s, least=5):
+        """Up to ``repeat`` calls' times (s), stopping past ``budget_s`` once ``least`` are in."""
         ts, start = [], time.perf_counter()
         for _ in range(repeat):
             t0 = time.perf_counter()
             fn()
             ts.append(time.perf_counter() - t0)
-            if time.perf_counter() - start > budget_s and len(ts) >= 5:
+            if time.perf_counter() - start > budget_s and len(ts) >= least:
                 break
         return ts
 
@@ -157,6 +165,8 @@ class _Cuda:
     """torch CUDA tensors, the arrays GPU users hold."""
 
     name = "cuda"
+    #: Interleaved: the H200's power-cap dip otherwise lands on one row (docs/performance.md).
+    rounds = 5
 
     def __init__(self):
         import torch
@@ -187,7 +197,7 @@ class _Cuda:
         del a, b
         return 2 * 512 * 2**20 * 4 / statistics.median(ts)
 
-    def time_calls(self, fn, repeat, budget_s):
+    def time_calls(self, fn, repeat, budget_s, least=5):
         t = self.t
         pairs, start = [], time.perf_counter()
         for _ in range(repeat):
@@ -197,7 +207,7 @@ class _Cuda:
             fn()
             e1.record()
             pairs.append((e0, e1))
-            if time.perf_counter() - start > budget_s and len(pairs) >= 5:
+            if time.perf_counter() - start > budget_s and len(pairs) >= least:
                 break
         t.cuda.synchronize()
         return [e0.elapsed_time(e1) / 1e3 for e0, e1 in pairs]
@@ -274,19 +284,59 @@ def _not_measured(dev, backends):
     return out
 
 
-def _row(dev, w, name, call, floor_s, repeat, budget_s, check=None) -> Row:
-    """One row: ``check()`` (the relative error, or no check), warm-up, timed calls. A
-    failing implementation is a row, not a crash."""
-    try:
-        err = check() if check else None
-        for _ in range(3):  # warm-up: compilation, caches, allocator
-            call()
-        ts = dev.time_calls(call, repeat, budget_s)
-    except Exception as exc:
-        return Row(w.name, f"{name} (failed: {type(exc).__name__}: {exc})"[:120],
-                   float("nan"), floor_s * 1e6, float("nan"), None, 0)
-    med = statistics.median(ts)
-    return Row(w.name, name, med * 1e6, floor_s * 1e6, floor_s / med, err, len(ts))
+def _baseline(name):
+    """Whether row ``name`` is a torch baseline ("torch", "torch.compile", "... fwd+bwd")
+    rather than a convcov backend."""
+    return name.split(" ")[0] in ("torch", "torch.compile")
+
+
+def _rows(dev, w, calls, floor_s, repeat, budget_s, rounds, progress=None, task=None):
+    """One row per entry of ``calls`` (name -> (call, check or None)): ``check()`` (the
+    relative error), a warm-up, then the timed calls in ``rounds`` interleaved rounds,
+    each of which times up to ``repeat / rounds`` calls of every implementation in turn,
+    the order reversed every other round. Interleaving gives every implementation the
+    same moments of the machine: timed one block after another, a slow stretch (the
+    H200's clock dip when it reaches its power limit) lands on one row only and decides
+    a close comparison (docs/performance.md, "How the bench times"). A failing
+    implementation is a row, not a crash."""
+    ok, failed = {}, {}
+    for name, (call, check) in calls.items():
+        if progress:
+            progress.update(task, description=f"{w.name} / {name}")
+        try:
+            err = check() if check else None
+            for _ in range(3):  # warm-up: compilation, caches, allocator
+                call()
+            ok[name] = (call, err, [])
+        except Exception as exc:
+            failed[name] = exc
+    rounds = max(1, min(rounds, repeat))
+    for r in range(rounds):
+        if progress:
+            progress.update(task, description=f"{w.name}: round {r + 1} of {rounds}")
+        for name in (list(ok) if r % 2 == 0 else list(ok)[::-1]):
+            call, _, ts = ok[name]
+            if name in failed:
+                continue
+            try:  # repeat calls in all, shared out among the rounds
+                ts += dev.time_calls(call, repeat // rounds + (r < repeat % rounds),
+                                     budget_s / rounds, least=-(-5 // rounds))
+            except Exception as exc:
+                failed[name] = exc
+    rows = []
+    for name in calls:
+        if name in failed:
+            exc = failed[name]
+            rows.append(Row(w.name, f"{name} (failed: {type(exc).__name__}: {exc})"[:120],
+                            float("nan"), floor_s * 1e6, float("nan"), None, 0))
+        else:
+            _, err, ts = ok[name]
+            med = statistics.median(ts)
+            rows.append(Row(w.name, name, med * 1e6, floor_s * 1e6, floor_s / med, err,
+                            len(ts)))
+        if progress:
+            progress.advance(task)
+    return rows
 
 
 def _grad_impls(dev, backends, with_torch):
@@ -312,7 +362,7 @@ def _grad_impls(dev, backends, with_torch):
     return impls
 
 
-def _time_grad(dev, w, sets, impls, bandwidth, repeat, budget_s, rows, progress, task):
+def _time_grad(dev, w, sets, impls, bandwidth, repeat, budget_s, rounds, progress, task):
     """Rows "<impl> fwd+bwd": out is a fresh alias (detach) of the set's out each call, so
     no call's graph chains onto the last; gamma, mu and c require grad."""
     floor_s = w.fwd_bwd_floor_bytes() / bandwidth
@@ -321,25 +371,30 @@ def _time_grad(dev, w, sets, impls, bandwidth, repeat, budget_s, rows, progress,
                                                    for k in ("gamma", "mu", "c")])
              for x in sets]
     turn = [0]
-    for name, impl in impls.items():
-        if progress:
-            progress.update(task, description=f"{w.name} / {name}")
 
+    def grad_call(impl):
         def call():
             turn[0] = (turn[0] + 1) % len(views)
             v = views[turn[0]]
             impl(v["out"].detach(), v["leaves"], G, w)
 
-        rows.append(_row(dev, w, name, call, floor_s, repeat, budget_s))
-        if progress:
-            progress.advance(task)
+        return call
+
+    calls = {name: (grad_call(impl), None) for name, impl in impls.items()}
+    rows = [row for group in (False, True) for row in _rows(
+        dev, w, {k: v for k, v in calls.items() if _baseline(k) == group}, floor_s, repeat,
+        budget_s, rounds, progress, task)]
     del G, views
+    return rows
 
 
 def run(device="cpu", workloads=None, backends=None, with_torch=True, repeat=200,
-        budget_s=3.0, progress=None, grad=False) -> dict:
-    """Measure; returns a JSON-ready dict (machine, date, bandwidth, rows)."""
+        budget_s=3.0, progress=None, grad=False, rounds=None) -> dict:
+    """Measure; returns a JSON-ready dict (machine, date, bandwidth, rows). ``repeat`` and
+    ``budget_s`` bound one row's timed calls and seconds, spread over ``rounds``
+    interleaved rounds (``rounds=1``: one row after another; default: the device's)."""
     dev = _Cuda() if device == "cuda" else _Host()
+    rounds = dev.rounds if rounds is None else rounds
     chosen = [w for w in WORKLOADS if w.device in (device, "both")
               and (not workloads or w.name in workloads)]
     bandwidth = dev.copy_bandwidth()
@@ -361,28 +416,33 @@ def run(device="cpu", workloads=None, backends=None, with_torch=True, repeat=200
             return sets[turn[0]]
 
         floor_s = w.floor_bytes() / bandwidth
-        for name, impl in impls.items():
-            if progress:
-                progress.update(task, description=f"{w.name} / {name}")
 
+        def timed(impl):
             def call():
                 x = rotating()
                 impl(x["out"], x["gamma"], x["mu"], x["c"], w)
 
-            # torch.compile is not re-checked: checking would compile a second graph for
-            # the one-batch shape; it compiles the eager expression checked above.
-            check = None if name == "torch.compile" else (
-                lambda impl=impl: _check(dev, w, a, lambda out, g, m, c: impl(out, g, m, c, w)))
-            rows.append(_row(dev, w, name, call, floor_s, repeat, budget_s, check))
-            if progress:
-                progress.advance(task)
+            return call
+
+        # torch.compile is not re-checked: checking would compile a second graph for
+        # the one-batch shape; it compiles the eager expression checked above.
+        calls = {name: (timed(impl), None if name == "torch.compile" else (
+            lambda impl=impl: _check(dev, w, a, lambda out, g, m, c: impl(out, g, m, c, w))))
+            for name, impl in impls.items()}
+        # convcov's backends are interleaved with each other, then the torch baselines
+        # with each other: a baseline's heavy calls leave the GPU power-capped and slower
+        # for whatever follows them (docs/performance.md, "How the bench times").
+        for group in (False, True):
+            rows += _rows(dev, w, {k: v for k, v in calls.items() if _baseline(k) == group},
+                          floor_s, repeat, budget_s, rounds, progress, task)
         if gimpls:
-            _time_grad(dev, w, sets, gimpls, bandwidth, repeat, budget_s, rows, progress, task)
+            rows += _time_grad(dev, w, sets, gimpls, bandwidth, repeat, budget_s, rounds,
+                               progress, task)
         del a, sets
     return dict(
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         device=device, machine=dev.describe(), convcov=convcov.__version__,
-        versions=_versions(), copy_bandwidth_GBps=bandwidth / 1e9,
+        versions=_versions(), copy_bandwidth_GBps=bandwidth / 1e9, rounds=rounds,
         workloads=[asdict(w) for w in chosen], rows=[asdict(r) for r in rows],
         not_measured=_not_measured(dev, backends),
     )

@@ -84,7 +84,7 @@ def cmd_bench(args):
     for device in devices:
         with _progress(console) as progress:
             result = bench.run(device, args.workload, args.backend, not args.no_torch,
-                               args.repeat, args.budget, progress, args.grad)
+                               args.repeat, args.budget, progress, args.grad, args.rounds)
         console.print(bench.table(result))
         for skip in result["not_measured"]:
             console.print(f"not measured: {skip['backend']}: {skip['reason']}")
@@ -156,6 +156,9 @@ def main(argv=None):
     b.add_argument("--no-torch", action="store_true", help="skip the torch / torch.compile rows")
     b.add_argument("--repeat", type=int, default=200, help="timed calls per row, at most")
     b.add_argument("--budget", type=float, default=3.0, help="seconds per row, at most")
+    b.add_argument("--rounds", type=int,
+                   help="interleave the rows' timed calls in this many rounds (1: one row "
+                        "after another; default: 5 on a GPU, 1 on the host)")
     b.add_argument("--grad", action="store_true",
                    help="also time forward + backward through torch autograd (needs torch)")
     b.add_argument("--json", help="also write the results to this JSON file")
