@@ -309,7 +309,9 @@ def _rows(dev, w, calls, floor_s, repeat, budget_s, rounds, progress=None, task=
                 call()
             ok[name] = (call, err, [])
         except Exception as exc:
-            failed[name] = exc
+            # The text, not the exception: its traceback would keep the workload's
+            # arrays alive (the frames hold them) past the caller's ``del``.
+            failed[name] = f"{type(exc).__name__}: {exc}"
     rounds = max(1, min(rounds, repeat))
     for r in range(rounds):
         if progress:
@@ -322,12 +324,11 @@ def _rows(dev, w, calls, floor_s, repeat, budget_s, rounds, progress=None, task=
                 ts += dev.time_calls(call, repeat // rounds + (r < repeat % rounds),
                                      budget_s / rounds, least=-(-5 // rounds))
             except Exception as exc:
-                failed[name] = exc
+                failed[name] = f"{type(exc).__name__}: {exc}"
     rows = []
     for name in calls:
         if name in failed:
-            exc = failed[name]
-            rows.append(Row(w.name, f"{name} (failed: {type(exc).__name__}: {exc})"[:120],
+            rows.append(Row(w.name, f"{name} (failed: {failed[name]})"[:120],
                             float("nan"), floor_s * 1e6, float("nan"), None, 0))
         else:
             _, err, ts = ok[name]
@@ -394,7 +395,7 @@ def run(device="cpu", workloads=None, backends=None, with_torch=True, repeat=200
     ``budget_s`` bound one row's timed calls and seconds, spread over ``rounds``
     interleaved rounds (``rounds=1``: one row after another; default: the device's)."""
     dev = _Cuda() if device == "cuda" else _Host()
-    rounds = dev.rounds if rounds is None else rounds
+    rounds = max(1, min(dev.rounds if rounds is None else rounds, repeat))
     chosen = [w for w in WORKLOADS if w.device in (device, "both")
               and (not workloads or w.name in workloads)]
     bandwidth = dev.copy_bandwidth()

@@ -70,6 +70,13 @@ def _need_matplotlib():
         sys.exit("convcov: plotting needs matplotlib: pip install 'convcov[plot]'")
 
 
+def _at_least_one(text):
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {n}")
+    return n
+
+
 def cmd_bench(args):
     console = _console()
     if args.plot:  # fail now, not after a long run
@@ -156,7 +163,7 @@ def main(argv=None):
     b.add_argument("--no-torch", action="store_true", help="skip the torch / torch.compile rows")
     b.add_argument("--repeat", type=int, default=200, help="timed calls per row, at most")
     b.add_argument("--budget", type=float, default=3.0, help="seconds per row, at most")
-    b.add_argument("--rounds", type=int,
+    b.add_argument("--rounds", type=_at_least_one,
                    help="interleave the rows' timed calls in this many rounds (1: one row "
                         "after another; default: 5 on a GPU, 1 on the host)")
     b.add_argument("--grad", action="store_true",

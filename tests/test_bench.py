@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from convcov import bench
 
 TOY = next(w for w in bench.WORKLOADS if w.name == "toy")
@@ -58,6 +60,61 @@ def test_more_rounds_than_calls():
     assert [e[1] for e in dev.log] == [1, 1] and rows[0].calls == 2
 
 
+def test_a_row_that_fails_is_never_timed_again():
+    dev = Recorder()
+
+    def fails_in_round_two():
+        if sum(e[0] == "t" for e in dev.log) == 2:
+            raise RuntimeError("broke")
+
+    fails_in_round_two.__name__ = "t"
+    rows = bench._rows(dev, TOY, {"t": (fails_in_round_two, None), "ok": (named("ok", {}), None)},
+                       1e-4, repeat=6, budget_s=1.0, rounds=3)
+    assert [e[0] for e in dev.log] == ["t", "ok", "ok", "t", "ok"]  # no "t" in round 3
+    assert "broke" in rows[0].impl and rows[1].calls == 6
+
+
+def test_a_failed_row_does_not_keep_the_arrays_alive():
+    """The workload's arrays must go when the caller drops them, without waiting for the
+    garbage collector: a kept exception's traceback would hold the frames that hold them."""
+    import gc
+    import weakref
+
+    import numpy as np
+
+    arr = np.ones(10)
+    gone = weakref.ref(arr)
+
+    def call(x=arr):
+        raise RuntimeError(x.shape)
+
+    gc.disable()
+    try:
+        rows = bench._rows(Recorder(), TOY, {"x": (call, None)}, 1e-4, repeat=2, budget_s=1.0,
+                           rounds=1)
+        del arr, call
+        assert gone() is None and "RuntimeError: (10,)" in rows[0].impl
+    finally:
+        gc.enable()
+
+
+def test_progress_advances_once_a_row():
+    class Progress:
+        advanced = 0
+
+        def update(self, task, description=""):
+            pass
+
+        def advance(self, task):
+            self.advanced += 1
+
+    p = Progress()
+    calls = {n: (named(n, {}), None) for n in "abc"}
+    bench._rows(Recorder(), TOY, calls, 1e-4, repeat=2, budget_s=1.0, rounds=2, progress=p,
+                task=0)
+    assert p.advanced == 3
+
+
 def test_failures_are_rows_and_the_others_still_run():
     def broken_check():
         raise RuntimeError("check broke")
@@ -101,3 +158,28 @@ def test_backends_and_torch_baselines_are_interleaved_apart(monkeypatch):
     # The host's default is one row after another (bench._Host.rounds); the GPU's is 5.
     assert bench.run("cpu", ["toy"], repeat=2, budget_s=0.01)["rounds"] == 1
     assert bench._Cuda.rounds == 5
+
+
+def test_gradient_rows_are_grouped_too(monkeypatch):
+    pytest.importorskip("torch")
+    groups, real = [], bench._rows
+
+    def spy(dev, w, calls, *args, **kwargs):
+        groups.append(list(calls))
+        return real(dev, w, calls, *args, **kwargs)
+
+    def nothing(*args):
+        pass
+
+    monkeypatch.setattr(bench, "_rows", spy)
+    monkeypatch.setattr(bench, "_impls", lambda dev, backends, with_torch: {"numpy": nothing})
+    monkeypatch.setattr(bench, "_grad_impls", lambda dev, backends, with_torch: dict.fromkeys(
+        ("numpy fwd+bwd", "torch.compile fwd+bwd", "numba fwd+bwd"), nothing))
+    bench.run("cpu", ["toy"], repeat=2, budget_s=0.01, rounds=2, grad=True)
+    assert groups == [["numpy"], [], ["numpy fwd+bwd", "numba fwd+bwd"],
+                      ["torch.compile fwd+bwd"]]
+
+
+def test_the_recorded_rounds_are_the_rounds_used():
+    assert bench.run("cpu", ["toy"], ["numpy"], False, repeat=2, budget_s=0.01,
+                     rounds=5)["rounds"] == 2

@@ -69,3 +69,14 @@ def test_bench_grad_rows(tmp_path):
     assert both["calls"] == 3 and both["median_us"] > 0
     # The backward's least bytes come on top of the forward's (bench.Workload).
     assert both["floor_us"] > fwd["floor_us"]
+
+
+def test_bench_rounds_option(tmp_path):
+    path = tmp_path / "r.json"
+    cli.main(["bench", "--device", "cpu", "--workload", "toy", "--backend", "numpy",
+              "--no-torch", "--repeat", "4", "--budget", "0.1", "--rounds", "2",
+              "--json", str(path)])
+    result = json.loads(path.read_text())
+    assert result["rounds"] == 2 and result["rows"][0]["calls"] == 4
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--device", "cpu", "--rounds", "0"])
