@@ -161,7 +161,7 @@ def main(argv=None):
                    help="toy, cpu, mid, big-f32, big-f16 (repeatable; default: all for the device)")
     b.add_argument("--backend", action="append", help="restrict to these backends (repeatable)")
     b.add_argument("--no-torch", action="store_true", help="skip the torch / torch.compile rows")
-    b.add_argument("--repeat", type=int, default=200, help="timed calls per row, at most")
+    b.add_argument("--repeat", type=_at_least_one, default=200, help="timed calls per row, at most")
     b.add_argument("--budget", type=float, default=3.0, help="seconds per row, at most")
     b.add_argument("--rounds", type=_at_least_one,
                    help="interleave the rows' timed calls in this many rounds (1: one row "

@@ -78,5 +78,6 @@ def test_bench_rounds_option(tmp_path):
               "--json", str(path)])
     result = json.loads(path.read_text())
     assert result["rounds"] == 2 and result["rows"][0]["calls"] == 4
-    with pytest.raises(SystemExit):
-        cli.main(["bench", "--device", "cpu", "--rounds", "0"])
+    for bad in (["--rounds", "0"], ["--repeat", "0"]):  # refused before anything runs
+        with pytest.raises(SystemExit):
+            cli.main(["bench", "--device", "cpu", *bad])
