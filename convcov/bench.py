@@ -3,12 +3,11 @@
 For each reference workload and each available backend on the device: check the result
 against the numpy reference (on the first batch element, in float64), then time whole
 ``convcov.accumulate`` calls (dispatch included) and take the median. On a GPU the rows'
-calls are interleaved in rounds (``_rows``), so that no row alone catches a slow
-stretch of the device. The floor of one call
-is ``bytes / copy bandwidth`` with bytes = |gamma channel-diagonal| + |mu| +
-2 |out channel-diagonal| + |c| and the bandwidth of a large copy (bytes read + written)
-measured in the same run; ``fraction`` = floor / time (1.0 = at the memory floor). The
-same run times the plain PyTorch expression (:mod:`convcov.torch_expr`) eagerly and under
+calls are interleaved in rounds (``_rows``), so that no row alone catches a slow stretch
+of the device. The floor of one call is ``bytes / copy bandwidth`` with bytes = |gamma
+channel-diagonal| + |mu| + 2 |out channel-diagonal| + |c| and the bandwidth of a large
+copy (bytes read + written) measured in the same run; ``fraction`` = floor / time (1.0 =
+at the memory floor). The same run times the plain PyTorch expression (:mod:`convcov.torch_expr`) eagerly and under
 ``torch.compile`` on the same arrays.
 
 With ``grad=True`` (``convcov bench --grad``) it also times forward + backward through
@@ -340,6 +339,15 @@ def _rows(dev, w, calls, floor_s, repeat, budget_s, rounds, progress=None, task=
     return rows
 
 
+def _grouped_rows(dev, w, calls, *args):
+    """``_rows`` for convcov's backends, then for the torch baselines: each group is
+    interleaved within itself only, because a baseline's heavy calls leave the GPU
+    power-capped and slower for whatever follows them (docs/performance.md, "How the
+    bench times")."""
+    return [row for group in (False, True) for row in _rows(
+        dev, w, {k: v for k, v in calls.items() if _baseline(k) == group}, *args)]
+
+
 def _grad_impls(dev, backends, with_torch):
     """Forward + backward through torch autograd: (out, leaves, G, w) -> gradients."""
     try:
@@ -382,9 +390,7 @@ def _time_grad(dev, w, sets, impls, bandwidth, repeat, budget_s, rounds, progres
         return call
 
     calls = {name: (grad_call(impl), None) for name, impl in impls.items()}
-    rows = [row for group in (False, True) for row in _rows(
-        dev, w, {k: v for k, v in calls.items() if _baseline(k) == group}, floor_s, repeat,
-        budget_s, rounds, progress, task)]
+    rows = _grouped_rows(dev, w, calls, floor_s, repeat, budget_s, rounds, progress, task)
     del G, views
     return rows
 
@@ -430,12 +436,8 @@ def run(device="cpu", workloads=None, backends=None, with_torch=True, repeat=200
         calls = {name: (timed(impl), None if name == "torch.compile" else (
             lambda impl=impl: _check(dev, w, a, lambda out, g, m, c: impl(out, g, m, c, w))))
             for name, impl in impls.items()}
-        # convcov's backends are interleaved with each other, then the torch baselines
-        # with each other: a baseline's heavy calls leave the GPU power-capped and slower
-        # for whatever follows them (docs/performance.md, "How the bench times").
-        for group in (False, True):
-            rows += _rows(dev, w, {k: v for k, v in calls.items() if _baseline(k) == group},
-                          floor_s, repeat, budget_s, rounds, progress, task)
+        rows += _grouped_rows(dev, w, calls, floor_s, repeat, budget_s, rounds, progress,
+                              task)
         if gimpls:
             rows += _time_grad(dev, w, sets, gimpls, bandwidth, repeat, budget_s, rounds,
                                progress, task)
