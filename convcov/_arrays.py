@@ -94,6 +94,9 @@ def info(x, name: str) -> ArrayInfo:
     small calls, hence the dtype-name caches.
     """
     if isinstance(x, np.ndarray):
+        if type(x) is not np.ndarray and isinstance(x, np.ma.MaskedArray):
+            raise TypeError(f"{name}: masked arrays are not supported (the mask would be "
+                            f"ignored); pass {name}.filled(...) or {name}.data")
         return ArrayInfo("numpy", _HOST, _numpy_dtype_name(x.dtype), x.shape,
                          _elem_strides(x.strides, x.itemsize),
                          x.__array_interface__["data"][0], not x.flags.writeable)
@@ -103,15 +106,29 @@ def info(x, name: str) -> ArrayInfo:
         else:
             dev = x.device
             device = _HOST if dev.type == "cpu" else (dev.type, dev.index)
+        if x.layout is not _torch().strided:
+            raise TypeError(f"{name}: expected a dense (strided) torch tensor; got layout "
+                            f"{x.layout}")
+        if x.is_neg():
+            # A lazily negated view (e.g. z.conj().imag): its memory holds -x, and the
+            # kernels read memory.
+            raise TypeError(f"{name}: is a lazily negated view (is_neg() is True); pass "
+                            f"{name}.resolve_neg()")
+        try:
+            strides, ptr = x.stride(), x.data_ptr()
+        except RuntimeError as exc:  # no storage: functorch's wrappers (vmap), and the like
+            raise TypeError(f"{name}: a torch tensor without readable memory ({exc})") from None
         return ArrayInfo("torch", device, _torch_dtype_name(x.dtype), tuple(x.shape),
-                         x.stride(), x.data_ptr(), False)
+                         strides, ptr, False)
     if is_cupy(x):
         return ArrayInfo("cupy", ("cuda", x.device.id), _numpy_dtype_name(x.dtype), x.shape,
                          _elem_strides(x.strides, x.dtype.itemsize), x.data.ptr, False)
     cai = getattr(x, "__cuda_array_interface__", None)
     if cai is not None:
         typestr = cai["typestr"]
-        dtype = _NUMPY_TYPESTR.get(typestr[1:], typestr)
+        # Little-endian (or byte-order free) only: GPUs read memory little-endian, so a
+        # big-endian typestr keeps its full name and validation refuses it.
+        dtype = _NUMPY_TYPESTR.get(typestr[1:], typestr) if typestr[0] in "<|" else typestr
         itemsize = np.dtype(typestr).itemsize
         shape = tuple(cai["shape"])
         strides = cai.get("strides")
@@ -150,6 +167,61 @@ def span(a: ArrayInfo) -> tuple[int, int] | None:
     spans = [(n - 1) * s for n, s in zip(a.shape, a.strides)]
     return (size * sum([d for d in spans if d < 0]),
             size * (sum([d for d in spans if d > 0]) + 1))
+
+
+def self_overlapping(a: ArrayInfo) -> bool:
+    """Whether two elements of ``a`` lie at one address (a zero stride from ``expand`` or
+    ``broadcast_to``, or strides that interleave).
+
+    Exact for every layout whose dims, ordered by stride, each step past all the smaller
+    ones (every view of a dense array does). Other layouts are searched element by
+    element up to 2**20 elements; beyond that they are taken as not overlapping, which is
+    torch's rule for layouts it cannot decide either."""
+    if 0 in a.shape:
+        return False
+    dims = sorted([(abs(s), n) for n, s in zip(a.shape, a.strides) if n > 1])
+    if not dims:
+        return False
+    if dims[0][0] == 0:
+        return True
+    reach = 0  # the largest offset the smaller dims reach
+    for s, n in dims:
+        if s <= reach:
+            break
+        reach += (n - 1) * s
+    else:
+        return False
+    count = 1
+    for _, n in dims:
+        count *= n
+    if count > 1 << 20:
+        return False
+    offsets = np.zeros(1, np.int64)
+    for s, n in dims:
+        offsets = (offsets[:, None] + np.arange(n, dtype=np.int64) * s).ravel()
+    return np.unique(offsets).size < offsets.size
+
+
+class _Interface:
+    """A numpy array interface for an ArrayInfo: numpy arrays over its addresses, for
+    numpy's exact overlap test (which reads no memory, so device addresses serve)."""
+
+    def __init__(self, a: ArrayInfo):
+        size = ITEMSIZE[a.dtype]
+        self.__array_interface__ = {
+            "shape": a.shape, "typestr": f"<u{size}", "data": (a.ptr, True), "version": 3,
+            "strides": tuple([s * size for s in a.strides])}
+
+
+def shares_memory(a: ArrayInfo, b: ArrayInfo) -> bool:
+    """Whether arrays a and b have an element at a common address: numpy's exact test,
+    for arrays whose bounds overlap (``overlaps``). A problem too large to settle is
+    taken as sharing."""
+    try:
+        return bool(np.shares_memory(np.asarray(_Interface(a)), np.asarray(_Interface(b)),
+                                     max_work=1 << 20))
+    except np.exceptions.TooHardError:
+        return True
 
 
 def overlaps(a: ArrayInfo, sa, b: ArrayInfo, sb) -> bool:

@@ -35,6 +35,9 @@ _modules = sys.modules
 #: The largest finite float32. A finite number c beyond it would be Inf as a float32 (and
 #: Inf * 0 NaN where S = 0), so a call with such a c sums in float64 (normalise).
 _F32_MAX = float(np.finfo(np.float32).max)
+#: The smallest normal float32. A nonzero c below it would lose most or all of its digits
+#: as a float32 (1e-50 would be 0), so such a c sums in float64 too.
+_F32_TINY = float(np.finfo(np.float32).tiny)
 
 
 @dataclass(slots=True)  # not frozen: a frozen __init__ costs microseconds per call
@@ -74,7 +77,10 @@ class Problem:
 
     @property
     def empty(self) -> bool:
-        return 0 in (self.B, self.Co, self.Ho, self.Wo)
+        """No term to add: no output element, or S a sum over nothing (no input channel,
+        or an input of no positions, all of its window in the padding). Such a call
+        leaves out bit-identical (out + c * 0 would turn -0.0 into +0.0)."""
+        return 0 in (self.B, self.Co, self.Ho, self.Wo, self.Ci, self.H, self.W)
 
     def layout_key(self) -> tuple:
         """What a GPU backend's launch plan depends on: the conv parameters, the
@@ -97,10 +103,19 @@ def _int(name, v):
         raise TypeError(f"{name}: expected an int; got {v!r}") from None
 
 
+def _sequence(v) -> bool:
+    """Whether a conv parameter is given as a sequence (a tuple, a list, a 1-d array or
+    tensor), not as one number (an int, a NumPy integer, a 0-d array)."""
+    return (isinstance(v, (tuple, list))
+            or (hasattr(v, "__len__") and not isinstance(v, (str, bytes))
+                and getattr(v, "ndim", 1) != 0))
+
+
 def _pair(name, v, minimum):
-    if isinstance(v, (tuple, list)):
+    if _sequence(v):
+        v = tuple(v)
         if len(v) != 2:
-            raise ShapeError(f"{name}: expected an int or a pair; got {tuple(v)!r}")
+            raise ShapeError(f"{name}: expected an int or a pair; got {v!r}")
         pair = (_int(name, v[0]), _int(name, v[1]))
     else:
         pair = (_int(name, v),) * 2
@@ -111,20 +126,25 @@ def _pair(name, v, minimum):
 
 def _kernel(kernel_size, groups):
     """(kh, kw) and, for a 4-item weight shape, (Co, Ci // groups) to check later."""
-    if isinstance(kernel_size, (tuple, list)) or hasattr(kernel_size, "__len__"):
+    if _sequence(kernel_size):
         ks = tuple(kernel_size)
         if len(ks) == 4:
             w = tuple(_int("kernel_size", v) for v in ks)
             if min(w[2:]) < 1:
                 raise ShapeError(f"kernel_size: expected kh, kw >= 1; got weight shape {w}")
             return w[2:], w[:2]
+        return _pair("kernel_size", ks, 1), None
     return _pair("kernel_size", kernel_size, 1), None
 
 
 def _check_dtype(name, a: ArrayInfo):
     if a.dtype not in FLOAT_DTYPES:
+        why = ""
+        if a.dtype[:1] in "<>" and a.dtype[1:2] == "f":  # numpy's or a CUDA array's name
+            why = (" (its byte order is not the machine's: convert it, e.g. "
+                   f"{name}.astype({name}.dtype.newbyteorder('=')))")
         raise TypeError(f"{name}: expected a float16, bfloat16, float32 or float64 array; "
-                        f"got dtype {a.dtype}")
+                        f"got dtype {a.dtype}{why}")
     if a.strides is None:
         raise TypeError(f"{name}: strides must be whole multiples of the item size")
 
@@ -208,11 +228,19 @@ def normalise(out, gamma, mu, c, kernel_size, stride, padding, dilation, groups)
             _checked[key] = chk
     (G, kh, kw, sh, sw, ph, pw, dh, dw, B, Ci, Co, H, W, Ho, Wo, acc, spans) = chk
 
-    # Memory: out is written in place, so it must alias no input.
+    # Memory: out is written in place, so it must alias no input. (The bounds test first:
+    # the exact one costs microseconds.)
     for n, a, span in (("gamma", gamma_i, spans[1]), ("mu", mu_i, spans[2]),
                        ("c", c_i, spans[3])):
-        if _arrays.overlaps(out_i, spans[0], a, span):
+        if _arrays.overlaps(out_i, spans[0], a, span) and _arrays.shares_memory(out_i, a):
             raise ValueError(f"out: shares memory with {n}; pass separate arrays")
+    if mu_i.device[0] == "cuda":
+        # A CUDA load from an address that is not a multiple of its size faults, and the
+        # fault ends the CUDA context: the process's GPU work is lost, not just this call.
+        for n, a in (("out", out_i), ("gamma", gamma_i), ("mu", mu_i), ("c", c_i)):
+            if a is not None and a.ptr % _arrays.ITEMSIZE[a.dtype]:
+                raise ValueError(f"{n}: its data address {a.ptr:#x} is not a multiple of "
+                                 f"its item size ({_arrays.ITEMSIZE[a.dtype]} bytes)")
 
     out_arr, gamma_arr, mu_arr, c_arr = out, gamma, mu, c
     if mu_i.device[0] == "cpu":
@@ -225,15 +253,28 @@ def normalise(out, gamma, mu, c, kernel_size, stride, padding, dilation, groups)
                 c_arr = np.broadcast_to(c_arr, (Co,))
     c_value = 0.0
     if c_i is None:
-        c_value, c_arr = float(c), None
-        if acc == "float32" and _F32_MAX < abs(c_value) < float("inf"):
-            acc = "float64"  # c is a Python float: kept exact rather than turned into Inf
+        c_value, c_arr = c_float(c), None
+        if acc == "float32" and (_F32_MAX < abs(c_value) < float("inf")
+                                 or 0 < abs(c_value) < _F32_TINY):
+            # c is a Python float beyond float32's normal range: kept exact rather than
+            # turned into Inf, 0 or a number with a few digits left
+            acc = "float64"
     return Problem(
         out_arr, gamma_arr, mu_arr, c_arr, c_value, out_i, gamma_i, mu_i, c_i,
         len(out_i.shape) == 7, gamma_i is not None and len(gamma_i.shape) == 7,
         B, Ci, Co, G, H, W, Ho, Wo, kh, kw, sh, sw, ph, pw, dh, dw, acc,
         mu_i.kind, mu_i.device,
     )
+
+
+def c_float(c) -> float:
+    """A number c as a float; a ValueError naming c when it is beyond float64's range (an
+    int with more than 308 digits)."""
+    try:
+        return float(c)
+    except OverflowError:
+        raise ValueError(f"c: {type(c).__name__} too large for a float64 "
+                         f"(about 1e{len(str(abs(int(c)))) - 1})") from None
 
 
 def _check(out_i, gamma_i, mu_i, c_i, kernel_size, stride, padding, dilation, groups):
@@ -245,10 +286,7 @@ def _check(out_i, gamma_i, mu_i, c_i, kernel_size, stride, padding, dilation, gr
         kernel_size, stride, padding, dilation, groups)
     arrays = [("out", out_i), ("gamma", gamma_i), ("mu", mu_i), ("c", c_i)]
     arrays = [(n, a) for n, a in arrays if a is not None]
-    kinds = {(a.kind, a.device) for _, a in arrays}
-    if len(kinds) > 1:
-        got = ", ".join(f"{n}: {a.kind} on {_device_str(a.device)}" for n, a in arrays)
-        raise TypeError(f"all arrays must be of one kind on one device; got {got}")
+    _check_kinds(arrays)
     for n, a in arrays:
         _check_dtype(n, a)
     device_type = mu_i.device[0]
@@ -291,6 +329,10 @@ def _check(out_i, gamma_i, mu_i, c_i, kernel_size, stride, padding, dilation, gr
                          f"got shape {c_i.shape}")
     if out_i.readonly:
         raise ValueError("out: is read-only; accumulate writes into it in place")
+    if _arrays.self_overlapping(out_i):
+        raise ValueError("out: some of its elements share memory (a zero or overlapping "
+                         "stride, as from expand or broadcast_to); accumulate writes into "
+                         "each element, so pass an array whose elements are distinct")
 
     acc = "float32"
     for _, a in arrays:
@@ -298,6 +340,13 @@ def _check(out_i, gamma_i, mu_i, c_i, kernel_size, stride, padding, dilation, gr
             acc = "float64"
     return G, kh, kw, sh, sw, ph, pw, dh, dw, B, Ci, Co, H, W, Ho, Wo, acc, _spans(
         out_i, gamma_i, mu_i, c_i)
+
+
+def _check_kinds(arrays):
+    """TypeError unless the (name, ArrayInfo) pairs are of one kind on one device."""
+    if len({(a.kind, a.device) for _, a in arrays}) > 1:
+        got = ", ".join(f"{n}: {a.kind} on {_device_str(a.device)}" for n, a in arrays)
+        raise TypeError(f"all arrays must be of one kind on one device; got {got}")
 
 
 def _spans(*infos):
@@ -443,10 +492,11 @@ def _bind(b: _registry.Backend, p: Problem):
 
 
 def _number_c(tc, c):
-    """(key, address 0, value) for a c of type tc that is a Python number float32 holds;
-    None for anything else. (Beyond float32 the full path decides the sums' dtype from c:
-    normalise. NaN compares false, so it takes the full path too.)"""
-    if (tc is float or tc is int) and -_F32_MAX <= c <= _F32_MAX:
+    """(key, address 0, value) for a c of type tc that is a Python number in float32's
+    normal range, or 0; None for anything else. (Beyond that range the full path decides
+    the sums' dtype from c: normalise. NaN compares false, so it takes the full path too.)"""
+    if (tc is float or tc is int) and (_F32_TINY <= c <= _F32_MAX or c == 0
+                                       or -_F32_MAX <= c <= -_F32_TINY):
         return tc, 0, float(c)
     return None
 
@@ -475,34 +525,42 @@ def _torch_fast(out, gamma, mu, c, kernel_size, stride, padding, dilation, group
     if type(out) is not T:
         return None
     tc = type(c)
-    if tc is T:
-        c_ptr = c.data_ptr()
-        c_key, c_value = (c.dtype, c.shape, c.stride(), c.device, c_ptr & 15), 0.0
-    else:
-        number = _number_c(tc, c)
-        if number is None:
+    try:  # (a tensor without memory, sparse or vmap's, raises here: the full path says so)
+        if tc is T:
+            c_ptr = c.data_ptr()
+            c_key, c_value = (c.dtype, c.shape, c.stride(), c.device, c_ptr & 15), 0.0
+        else:
+            number = _number_c(tc, c)
+            if number is None:
+                return None
+            c_key, c_ptr, c_value = number
+        if gamma is None:
+            g_key, g_ptr = None, 0
+        elif type(gamma) is T:
+            g_ptr = gamma.data_ptr()
+            g_key = (gamma.dtype, gamma.shape, gamma.stride(), gamma.device, g_ptr & 15)
+        else:
             return None
-        c_key, c_ptr, c_value = number
-    if gamma is None:
-        g_key, g_ptr = None, 0
-    elif type(gamma) is T:
-        g_ptr = gamma.data_ptr()
-        g_key = (gamma.dtype, gamma.shape, gamma.stride(), gamma.device, g_ptr & 15)
-    else:
+        if not _plain_call(kernel_size, stride, padding, dilation, groups, backend):
+            return None
+        o_ptr, m_ptr = out.data_ptr(), mu.data_ptr()
+        key = (kernel_size, stride, padding, dilation, groups, backend,
+               _environ_get(_ENV_KEY), _registry.generation,
+               out.dtype, out.shape, out.stride(), out.device, o_ptr & 15, g_key,
+               mu.dtype, mu.shape, mu.stride(), mu.device, m_ptr & 15, c_key)
+    except RuntimeError:
         return None
-    if not _plain_call(kernel_size, stride, padding, dilation, groups, backend):
-        return None
-    o_ptr, m_ptr = out.data_ptr(), mu.data_ptr()
-    key = (kernel_size, stride, padding, dilation, groups, backend,
-           _environ_get(_ENV_KEY), _registry.generation,
-           out.dtype, out.shape, out.stride(), out.device, o_ptr & 15, g_key,
-           mu.dtype, mu.shape, mu.stride(), mu.device, m_ptr & 15, c_key)
     e = _bound.get(key, key)
     if e is key:  # not seen: the full path, then bind
         return key
     if e is None or (_grad_enabled() and (
             out.requires_grad or mu.requires_grad or (g_key is not None and gamma.requires_grad)
             or (tc is T and c.requires_grad))):
+        return None
+    # A lazily negated view has its signature's key but not its values (the full path
+    # refuses it); a tensor of another layout has no data pointer, so it raised above.
+    if out.is_neg() or mu.is_neg() or (g_key is not None and gamma.is_neg()) or (
+            tc is T and c.is_neg()):
         return None
     if _aliased(e, o_ptr, g_ptr, m_ptr, c_ptr):
         return None
@@ -610,6 +668,7 @@ def check_patch_moment(gamma, mu, kernel_size, stride, padding, dilation, groups
     Ho = _out_size(H, kh, sh, ph, dh, "H", "kh")
     Wo = _out_size(W, kw, sw, pw, dw, "W", "kw")
     infos = [mu_i] + ([] if gamma is None else [_arrays.info(gamma, "gamma")])
+    _check_kinds(list(zip(("mu", "gamma"), infos)))
     for n, a in zip(("mu", "gamma"), infos):
         _check_dtype(n, a)
     if Ci % G:

@@ -32,6 +32,8 @@ what Dynamo traces: no data pointers, no numpy, no backend selection (the kernel
 at run time, through the ordinary front end).
 """
 
+import numbers
+
 import torch
 from torch import _C
 
@@ -302,15 +304,42 @@ def _eager(mu) -> bool:
             and (type(mu) is torch.Tensor or type(mu) is torch.nn.Parameter))
 
 
+def _check_routed(out, gamma, mu, c):
+    """The checks that read no data, for calls whose tensors cannot be looked at (tensor
+    subclasses, and any tensor while torch.compile traces): the arguments' kinds, c's
+    type and the ranks the operator's arguments are taken from. The kernel checks the
+    rest when it runs (the direct path's checks, on the real tensors)."""
+    T = torch.Tensor
+    others = [("out", out), ("gamma", gamma)]
+    if not isinstance(c, T) and (isinstance(c, bool) or not isinstance(c, numbers.Real)):
+        if isinstance(c, bool) or not any(hasattr(c, a) for a in (
+                "__array__", "__array_interface__", "__cuda_array_interface__")):
+            raise TypeError(f"c: expected a real number or a float tensor; got {c!r}")
+        others.append(("c", c))  # an array of another kind
+    bad = [(n, x) for n, x in others if x is not None or n == "out"
+           if not isinstance(x, T)]
+    if bad:
+        got = ", ".join(f"{n}: {type(x).__module__}.{type(x).__qualname__}" for n, x in bad)
+        raise TypeError(f"all arrays must be of one kind on one device; mu is a torch "
+                        f"tensor, got {got}")
+    if out.dim() not in (6, 7):
+        raise ShapeError(f"out: expected 7 dims (B, Co, Ho, Wo, Co, Ho, Wo) or 6 dims "
+                         f"(B, Co, Ho, Wo, Ho, Wo); got shape {tuple(out.shape)}")
+    if mu.dim() != 4:
+        raise ShapeError(f"mu: expected 4 dims (B, Ci, H, W); got shape {tuple(mu.shape)}")
+
+
 def accumulate(out, gamma, mu, c, kernel_size, stride, padding, dilation, groups, backend):
     """``convcov.accumulate`` as ``convcov::accumulate_``; returns ``out``."""
     if _eager(mu):  # the direct path's checks and errors, before anything else
         problem = _frontend.normalise(out, gamma, mu, c, kernel_size, stride, padding,
                                       dilation, groups)
         _registry.select(backend, problem.device[0], _frontend._dtypes(problem))
+    else:
+        _check_routed(out, gamma, mu, c)
     k, s, p, d, G = _params(kernel_size, stride, padding, dilation, groups,
                             out.shape[1], mu.shape[1])
-    c, c_value = (c, 0.0) if isinstance(c, torch.Tensor) else (None, float(c))
+    c, c_value = (c, 0.0) if isinstance(c, torch.Tensor) else (None, _frontend.c_float(c))
     torch.ops.convcov.accumulate_(out, gamma, mu, c, c_value, k, s, p, d, G,
                                   _backend_arg(backend))
     return out

@@ -4,42 +4,87 @@ Run as a script by tests/test_numba_cuda.py::test_every_kernel_compiles_for_the_
 process of its own without Numba's CUDA simulator (CI runs the kernels under the
 simulator, which executes their Python and never types or compiles them). Numba asks
 the current device for its compute capability while it compiles; this pretends an sm_90
-one, as docs/results/scripts/numba_sass.py does. Each kernel variant the plans can ask
-for goes through Numba and NVVM to PTX and through nvJitLink (ptxas) to sm_90 code.
-Prints one line a variant and a count. Exits 1 on the first failure, and 77 when the
-compilers are not installed or this numba-cuda cannot compile without a driver (the
-test then skips and says why). Importing this module does nothing: pytest's doctest
-collection imports every module under tests/.
+one, as docs/results/scripts/numba_sass.py does. Each kernel variant of :func:`variants`
+(every element type at every pointer of every kernel, with each accumulation dtype and
+vector width the plans pair it with; ``--all``: every variant of :func:`requests`, all
+the plans can ask for) goes through Numba and NVVM to PTX and through nvJitLink (ptxas)
+to sm_90 code. Prints one line a variant and a count. Exits 1 on the first failure, and
+77 when the compilers are not installed or this numba-cuda cannot compile without a
+driver (the test then skips and says why). Importing this module does nothing: pytest's
+doctest collection imports every module under tests/.
 """
 
+import itertools
 import sys
 
+#: The kernels' pointer element types: the four storage dtypes, bfloat16 as its uint16 bits.
+TYPES = ("float16", "uint16", "float32", "float64")
+#: Vector widths for a first pointer of each type: V elements in one access of at most
+#: 16 bytes (convcov._arrays.vector_width), or one at a time.
+WIDTHS = {"float16": (1, 2, 4, 8), "uint16": (1, 2, 4, 8), "float32": (1, 2, 4),
+          "float64": (1, 2)}
+#: Each kernel's pointers, in _signature's order (S's walk and box filter have none).
+POINTERS = {"gsum": ("gamma", "mu"), "stream": ("out", "c"), "stream_rows": ("out", "c"),
+            "direct": ("out", "gamma", "mu", "c"), "vjp_gamma": ("grad_S", "grad_gamma"),
+            "vjp_mu": ("grad_S", "mu", "grad_mu")}
 
-def variants():
-    """(kernel, pointer element types, accumulation dtype, V) for every kernel and vector
-    width the plans use, at each storage dtype and both accumulation dtypes; mixed
-    element types where a plan mixes them (mu or c in another dtype)."""
-    widths = {"float16": (1, 2, 4, 8), "uint16": (1, 2, 4, 8), "float32": (1, 2, 4),
-              "float64": (1, 2)}
-    pairs = [("float16", "float32"), ("uint16", "float32"), ("float32", "float32"),
-             ("float64", "float64"), ("float16", "float64"), ("float32", "float64")]
+
+def requests():
+    """Every (kernel, pointer element types, accumulation dtype, V) the plans can ask
+    numba_cuda._kernel for, derived from their rules (tests/test_numba_cuda.py's
+    test_compiled_variants_cover_every_request checks it against what the plans ask for):
+
+    * each array of a call (out, gamma, mu, c; grad_S, mu, grad_gamma, grad_mu) in any of
+      the four dtypes; an absent gamma reads as mu's type, a number c as out's;
+    * sums in float64 when any array of the call is float64, else in float32, or in
+      float64 when c is a number beyond float32's range. The kernels other than direct
+      see some of the call's arrays only, so any of their type mixes can meet float64
+      sums; direct sees all four, so with none float64 only a number c (out's type) can;
+    * V: gamma's vector width for gsum, out's for the update (stream, or stream_rows for
+      the evenly spaced rows of a full layout), 1 for the others; the diagonal walk's V
+      is the kernel height it is compiled for: 0 (any), 3, or 33 (3 x 3, width too)."""
     out = []
     for acc in ("float32", "float64"):
         out += [("sbox_walk", (), acc, kh) for kh in (0, 3, 33)] + [("sbox", (), acc, 1)]
-    for t, acc in pairs:
-        other = "float64" if acc == "float64" and t != "float64" else "float32"
-        w = widths[t]
-        out += [("gsum", (t, t), acc, v) for v in w]
-        out += [(k, (t, t), acc, v) for k in ("stream", "stream_rows") for v in w]
-        out += [("direct", (t, t, t, t), acc, 1)]
-        if other != t:  # mu (gsum) and c (stream) in another dtype, read as that one
-            out += [("gsum", (t, other), acc, v) for v in (w[0], w[-1])]
-            out += [("stream", (t, other), acc, 1), ("direct", (t, other, other, other), acc, 1)]
-        out += [("vjp_gamma", (acc, t), acc, 1), ("vjp_mu", (acc, t, t), acc, 1)]
+    for name, pointers in POINTERS.items():
+        for elems in itertools.product(TYPES, repeat=len(pointers)):
+            accs = ("float64",) if "float64" in elems else ("float32", "float64")
+            if name == "direct" and "float64" not in elems and elems[3] != elems[0]:
+                accs = ("float32",)
+            for acc in accs:
+                widths = WIDTHS[elems[0]] if name in ("gsum", "stream", "stream_rows") else (1,)
+                out += [(name, elems, acc, V) for V in widths]
     return out
 
 
-def main():
+def variants(every=False):
+    """The variants compiled (``every``: all of requests()): for each kernel, accumulation
+    dtype and V, every element type the plans put at each pointer, uniform mixes first
+    (the usual calls), then the fewest mixed ones that cover the rest. A pointer's
+    element type reaches the arithmetic only through its load or store, which converts
+    to or from the accumulation type (_to_acc, _store, the vector loads at width V), so
+    a kernel compiles for a mix of element types when it does for each of them at that
+    accumulation dtype and width; compiling every mix takes about six times as long."""
+    reqs = requests()
+    if every:
+        return reqs
+
+    def covers(r):  # (pointer, element type) pairs; a kernel with no pointer, itself
+        return set(enumerate(r[1])) or {r}
+
+    out = []
+    for key in dict.fromkeys((name, acc, V) for name, _, acc, V in reqs):
+        rows = sorted((r for r in reqs if (r[0], r[2], r[3]) == key),
+                      key=lambda r: len(set(r[1])))  # stable: uniform mixes first
+        need = set().union(*map(covers, rows))
+        while need:
+            best = max(rows, key=lambda r: len(covers(r) & need))  # the first of the best
+            out.append(best)
+            need -= covers(best)
+    return out
+
+
+def main(argv=()):
     try:
         from cuda.bindings import nvjitlink
         from numba.cuda import dispatcher
@@ -61,7 +106,7 @@ def main():
 
     assert not nc.SIM, "run without NUMBA_ENABLE_CUDASIM"
     n = 0
-    for name, elems, acc, V in variants():
+    for name, elems, acc, V in variants(every="--all" in argv):
         label = f"{name} {elems} {acc} V={V}"
         try:
             ptx, _ = cuda.compile_ptx(nc._kernel_function(name, elems, acc, V),
@@ -88,4 +133,4 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

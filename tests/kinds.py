@@ -62,6 +62,11 @@ def _layout_view(a: np.ndarray, layout: str, rng) -> tuple[np.ndarray, tuple]:
         perm = tuple(rng.permutation(a.ndim))
         base = np.ascontiguousarray(a.transpose(perm))
         return base, ("permute", tuple(np.argsort(perm)))
+    if layout == "reversed":  # one axis backwards: a negative stride (numpy and CuPy)
+        axis = int(rng.integers(a.ndim))
+        index = [slice(None)] * a.ndim
+        index[axis] = slice(None, None, -1)
+        return np.ascontiguousarray(a[tuple(index)]), ("step", tuple(index))
     # "strided": every second element along one axis of a larger buffer
     axis = int(rng.integers(a.ndim))
     shape = list(a.shape)

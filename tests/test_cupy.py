@@ -88,17 +88,21 @@ def _problem(rng, kind, dtypes, layouts, B=2, Ci=4, Co=6, G=2, H=7, W=6, k=(3, 2
     oshape = (B, Co, Ho, Wo, Co, Ho, Wo) if full_out else (B, Co, Ho, Wo, Ho, Wo)
     gshape = {"full": (B, Ci, H, W, Ci, H, W), "diag": (B, Ci, H, W, H, W)}.get(gamma)
     out = make(rng.standard_normal(oshape), kind, dtypes[0], layouts[0], rng)
-    g = None if gshape is None else make(rng.random(gshape), kind, dtypes[1], layouts[1], rng)
+    # gamma and c of both signs (a sign lost anywhere shows)
+    g = (None if gshape is None else
+         make(rng.standard_normal(gshape), kind, dtypes[1], layouts[1], rng))
     mu = make(rng.standard_normal((B, Ci, H, W)), kind, dtypes[2], layouts[2], rng)
-    cv = rng.random(Co) + 0.5
+    cv = rng.standard_normal(Co)
     c = float(cv[0]) if c_form == "number" else make(
         cv if c_form == "1d" else np.array(cv[0]), kind, dtypes[3])
     conv = dict(stride=stride, padding=padding, dilation=dilation, groups=G)
     return out, g, mu, c, k, conv
 
 
-def _check(out, g, mu, c, k, conv, run=None):
-    """Run the cupy backend on the arrays and compare with the numpy reference."""
+def _check(out, g, mu, c, k, conv, run=None, exact_nonfinite=False):
+    """Run the cupy backend on the arrays and compare with the numpy reference.
+    ``exact_nonfinite``: NaN, +Inf and -Inf must be exactly where the reference has them,
+    the finite elements within the tolerance (else every element is compared so)."""
     out0, mu64 = to_f64(out), to_f64(mu)
     g64 = None if g is None else to_f64(g)
     Co = out0.shape[1]
@@ -115,8 +119,13 @@ def _check(out, g, mu, c, k, conv, run=None):
     acc = "float64" if "float64" in names or (
         not isinstance(c, float) and "float64" in str(c.dtype)) else "float32"
     Cg = mu64.shape[1] // conv["groups"]
-    tol = tolerance(bound, 2 * Cg * k[0] * k[1], acc, names[0])
-    bad = ~(np.abs(got - ref) <= tol)
+    fin = np.ones(ref.shape, bool)
+    if exact_nonfinite:
+        for where in (np.isnan, np.isposinf, np.isneginf):
+            np.testing.assert_array_equal(where(got), where(ref), err_msg=where.__name__)
+        fin = np.isfinite(ref)
+    tol = tolerance(bound[fin], 2 * Cg * k[0] * k[1], acc, names[0])
+    bad = ~(np.abs(got[fin] - ref[fin]) <= tol)
     assert not bad.any(), f"{bad.sum()} of {bad.size} elements off"
     if out0.ndim == 7:  # off the channel-diagonal: bit-identical
         off = np.ones(out0.shape, bool)
@@ -691,15 +700,8 @@ _HOST_CASES = [  # (B, Ci, Co, G, H, W, k, stride, padding, dilation)
 @pytest.mark.parametrize("forced", ["direct", "three", "three-box"])
 @pytest.mark.parametrize("form", [(False, "diag"), (True, "full"), (False, None)])
 def test_cuda_source_on_host(host_kernels, monkeypatch, case, dtype, forced, form):
-    from convcov.backends import cupy as mod
-
     B, Ci, Co, G, H, W, k, stride, padding, dilation = _HOST_CASES[case]
-    if forced == "direct":
-        monkeypatch.setattr(mod, "_DIRECT_TERMS", 1 << 62)
-    else:
-        monkeypatch.setattr(mod, "_DIRECT_TERMS", -1)
-        monkeypatch.setattr(mod, "_DIRECT_RATIO", 0)
-    monkeypatch.setattr(mod, "_SBOX_WALK", forced != "three-box")
+    _force(monkeypatch, forced)
     rng = np.random.default_rng(case)
     out, g, mu, c, k, conv = _problem(rng, "numpy", [dtype] * 4, ["contiguous"] * 3, B=B,
                                       Ci=Ci, Co=Co, G=G, H=H, W=W, k=k, stride=stride,
@@ -801,6 +803,250 @@ def test_cuda_source_on_host_random(host_kernels, monkeypatch, seed):
         out, g, mu, c, k, conv["stride"], conv["padding"], conv["dilation"], conv["groups"]),
         sms)
     _check(out, g, mu, c, k, conv, run=run)
+
+
+# ------------------------------------------------------------------ negative strides, Inf next
+# to the padding, and the literal loops: on the host build (CI) and on a GPU
+def _force(monkeypatch, forced):
+    """Force a path of the host build, as the ``path`` fixture does on a GPU: "direct"
+    (cc_direct), "three" (cc_gsum, cc_sbox_walk where it serves, cc_stream) or
+    "three-box" (cc_sbox instead of the walk)."""
+    from convcov.backends import cupy as mod
+
+    if forced == "direct":
+        monkeypatch.setattr(mod, "_DIRECT_TERMS", 1 << 62)
+    else:
+        monkeypatch.setattr(mod, "_DIRECT_TERMS", -1)
+        monkeypatch.setattr(mod, "_DIRECT_RATIO", 0)
+    monkeypatch.setattr(mod, "_SBOX_WALK", forced != "three-box")
+
+
+def _took(names, forced, p_sh=1, p_dh=1):
+    """The launches (_run_on_host's names) are the forced path's."""
+    if forced == "direct":
+        assert len(names) == 1 and names[0].startswith("cc_direct<"), names
+        return
+    assert names[0].startswith("cc_gsum<") and names[-1].startswith("cc_stream<"), names
+    walk = forced == "three" and p_sh == 1 and p_dh == 1
+    assert names[1].startswith("cc_sbox_walk<" if walk else "cc_sbox<"), names
+
+
+#: Axes to reverse, by an array's number of dimensions.
+_FLIPS = {
+    "last": lambda nd: {nd - 1},
+    "rows": lambda nd: {2, nd - 2},  # x (and x' / i1 of out and gamma)
+    "channels": lambda nd: {1, nd - 3},  # both channel axes of a full layout
+    "all": lambda nd: set(range(nd)),
+}
+
+
+def _reversed(x, axes, xp=np):
+    """(view, buffer): x's values in a view with negative strides along ``axes`` (a copy
+    reversed along them, reversed back), in the middle of a NaN buffer of three times its
+    size (``xp``: numpy or cupy). Reads outside the view then bring NaN into out, and
+    writes outside it land in the guards (checked by _guards_intact), not in other memory."""
+    idx = tuple(slice(None, None, -1) if a in axes else slice(None) for a in range(x.ndim))
+    r = np.ascontiguousarray(x[idx])
+    n = r.size
+    buf = np.full(3 * n, np.nan, r.dtype)
+    buf[n:2 * n] = r.ravel()
+    buf = xp.asarray(buf)
+    view = buf[n:2 * n].reshape(r.shape)[idx]
+    assert all(view.strides[a] < 0 for a in axes if x.shape[a] > 1)
+    return view, buf
+
+
+def _guards_intact(bufs):
+    for buf in bufs:
+        b = buf if isinstance(buf, np.ndarray) else buf.get()
+        n = b.size // 3
+        assert np.isnan(b[:n]).all() and np.isnan(b[2 * n:]).all(), "wrote outside the array"
+
+
+def _flipped_problem(form, flip, xp=np, seed=0):
+    """A float32 problem (stride 1, padding along the rows, groups) whose out, gamma, mu
+    (and, for "all", c) have negative strides (_reversed). W = 5 and Wo = 4: with the
+    strides' signs dropped, rows would pass as contiguous, aligned vectors."""
+    rng = np.random.default_rng(seed)
+    out, g, mu, c, k, conv = _problem(rng, "numpy", ["float32"] * 4, ["contiguous"] * 3,
+                                      B=2, Ci=4, Co=4, G=2, H=4, W=5, k=(3, 2),
+                                      padding=(1, 0), full_out=form[0], gamma=form[1])
+    bufs = []
+    arrays = []
+    for x in (out, g, mu):
+        if x is None:
+            arrays.append(None)
+            continue
+        view, buf = _reversed(x, _FLIPS[flip](x.ndim), xp)
+        arrays.append(view)
+        bufs.append(buf)
+    c = _reversed(c, {0}, xp)[0] if flip == "all" else xp.asarray(c)
+    return (arrays[0], arrays[1], arrays[2], c, k, conv), bufs
+
+
+@pytest.mark.parametrize("flip", list(_FLIPS))
+@pytest.mark.parametrize("forced", ["direct", "three", "three-box"])
+@pytest.mark.parametrize("form", [(False, "diag"), (True, "full"), (False, None)])
+def test_negative_strides_on_host(host_kernels, monkeypatch, form, forced, flip):
+    """out, gamma and mu as views with negative strides (reversed along the last axis, the
+    row axes, the channel axes or every axis, and c too for the last), on each path and in
+    both out layouts (and gamma absent), against the numpy reference, on the host build.
+    The plan's layout tests (contiguous, vector_width) must take a negative stride as not
+    contiguous, and the kernels must step backwards with it: with abs() taken of the
+    strides there, every other test of this file passes, while the three-launch path
+    reads and writes the wrong elements, outside the arrays too (the NaN guards around
+    each keep that in the test's own buffers)."""
+    _force(monkeypatch, forced)
+    args, bufs = _flipped_problem(form, flip, seed=len(flip))
+    names = []
+    _check(*args, run=lambda: names.extend(_host_call(host_kernels, *args)))
+    _took(names, forced)
+    _guards_intact(bufs)
+
+
+@gpu
+@pytest.mark.parametrize("flip", list(_FLIPS))
+@pytest.mark.parametrize("form", [(False, "diag"), (True, "full")])
+def test_negative_strides(path, form, flip):
+    """test_negative_strides_on_host on a GPU, with CuPy arrays (torch has no negative
+    strides)."""
+    if "cupy" not in _kinds():
+        pytest.skip("negative strides come from CuPy arrays")
+    import cupy
+
+    args, bufs = _flipped_problem(form, flip, cupy, seed=len(flip))
+    _check(*args)
+    _guards_intact(bufs)
+
+
+#: (k, stride, padding, dilation): walk with the width compiled in; cc_sbox (row stride);
+#: walk with the width read at run time (kh = 2, kw = 3 with column dilation).
+_PAD_GEOMETRIES = [((3, 3), (1, 1), (1, 1), (1, 1)), ((3, 2), (2, 1), (1, 1), (1, 1)),
+                   ((2, 3), (1, 2), (1, 2), (1, 2))]
+
+
+def _nonfinite_problem(case, geometry, kind, dtype):
+    """A problem with padding whose non-finite values sit next to it: for "mu", +Inf at
+    mu[0, 0, 0, 0] and -Inf at the last corner of the second batch (every other mu and
+    gamma value positive: a term present is finite or the corner's sign, so NaN only
+    where +Inf meets -Inf); for "gamma", +Inf at the channel-diagonal's corner pair of
+    gamma and NaN at a pair of the last row's ends, and (full gamma) +Inf off the channel
+    diagonal, never read. out layouts and gamma forms change with the geometry."""
+    k, stride, padding, dilation = _PAD_GEOMETRIES[geometry]
+    forms = ([(False, None), (False, "diag"), (True, "full")] if case == "mu" else
+             [(False, "diag"), (True, "full"), (False, "full")])
+    full_out, gamma = forms[geometry]
+    rng = np.random.default_rng(31 + geometry)
+    out, g, mu, c, k, conv = _problem(rng, "numpy", ["float64"] * 4, ["contiguous"] * 3,
+                                      B=2, Ci=4, Co=4, G=2, H=5, W=6, k=k, stride=stride,
+                                      padding=padding, dilation=dilation, full_out=full_out,
+                                      gamma=gamma)
+    mu[...] = rng.random(mu.shape) + 0.25
+    at = (lambda b, ci, p0, p1: (b, ci, *p0, ci, *p1)) if gamma == "full" else (
+        lambda b, ci, p0, p1: (b, ci, *p0, *p1))
+    if case == "mu":
+        mu[0, 0, 0, 0] = np.inf
+        mu[1, -1, -1, -1] = -np.inf
+    else:
+        g[at(0, 1, (0, 0), (0, 0))] = np.inf
+        g[at(1, 2, (4, 0), (4, 5))] = np.nan
+        if gamma == "full":
+            g[0, 0, 0, 0, 1, 0, 0] = np.inf
+    arrays = [None if x is None else make(x, kind, dtype) for x in (out, g, mu, c)]
+    return (*arrays, k, conv)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the reference
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("case", ["mu", "gamma"])
+@pytest.mark.parametrize("forced", ["direct", "three", "three-box"])
+def test_nonfinite_next_to_padding_on_host(host_kernels, monkeypatch, forced, case, dtype):
+    """SPEC section 1: a term with a position in the padding is absent, not 0 * value, and
+    NaN/Inf propagate as IEEE says. Inf and NaN in mu or gamma next to the padding (the
+    other values positive), three geometries (the walk's two shapes and cc_sbox), each
+    path: NaN, +Inf and -Inf exactly where the numpy reference has them, the finite
+    values within the tolerance. Loading a padded term's mu (as 0) beside an Inf, or
+    adding the box filter's padded terms as 0 * T, gives NaN where the reference has Inf
+    or a finite value."""
+    _force(monkeypatch, forced)
+    for geometry in range(len(_PAD_GEOMETRIES)):
+        args = _nonfinite_problem(case, geometry, "numpy", dtype)
+        names = []
+        _check(*args, exact_nonfinite=True,
+               run=lambda a=args, n=names: n.extend(_host_call(host_kernels, *a)))
+        _took(names, forced, args[-1]["stride"][0], args[-1]["dilation"][0])
+        got = to_f64(args[0])
+        assert np.isinf(got).any() and np.isfinite(got).any()
+
+
+@gpu
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("kind", _kinds())
+@pytest.mark.parametrize("case", ["mu", "gamma"])
+def test_nonfinite_next_to_padding(path, kind, case):
+    """test_nonfinite_next_to_padding_on_host on a GPU (float32)."""
+    for geometry in range(len(_PAD_GEOMETRIES)):
+        _check(*_nonfinite_problem(case, geometry, kind, "float32"), exact_nonfinite=True)
+
+
+#: (B, Ci, Co, G, H, W, k, stride, padding, dilation, full out, gamma, dtype): tiny, for
+#: the literal loops.
+_LOOP_CASES = [
+    (1, 2, 2, 1, 4, 5, (3, 3), (1, 1), (1, 1), (1, 1), True, "full", "float64"),
+    (1, 4, 4, 2, 5, 4, (2, 2), (2, 1), (0, 1), (1, 2), False, "diag", "float64"),
+    (2, 2, 4, 2, 5, 5, (3, 2), (1, 2), (2, 0), (2, 1), False, None, "float64"),
+    (1, 3, 3, 3, 4, 4, (1, 3), (1, 1), (0, 1), (1, 1), True, None, "float32"),
+    (1, 2, 2, 1, 5, 3, (3, 1), (2, 1), (1, 0), (1, 1), False, "full", "float32"),
+]
+
+
+def _loops_check(case, kind, run=None):
+    """Run the cupy backend (or ``run()``) on _LOOP_CASES[case] and compare with
+    kinds.op_loops, the literal float64 loops, not with the numpy backend."""
+    from kinds import op_loops
+
+    B, Ci, Co, G, H, W, k, stride, padding, dilation, full_out, gamma, dtype = \
+        _LOOP_CASES[case]
+    rng = np.random.default_rng(40 + case)
+    out, g, mu, c, k, conv = _problem(rng, kind, [dtype] * 4, ["contiguous"] * 3, B=B, Ci=Ci,
+                                      Co=Co, G=G, H=H, W=W, k=k, stride=stride,
+                                      padding=padding, dilation=dilation, full_out=full_out,
+                                      gamma=gamma)
+    out0, g64, mu64, c64 = (None if x is None else to_f64(x) for x in (out, g, mu, c))
+    want = op_loops(out0, g64, mu64, c64, *k, **conv)
+    bound = op_loops(np.abs(out0), None if g64 is None else np.abs(g64), np.abs(mu64),
+                     np.abs(c64), *k, **conv)
+    if run is None:
+        convcov.accumulate(out, g, mu, c, k, backend="cupy", **conv)
+    else:
+        run(out, g, mu, c, k, conv)
+    got = to_f64(out)
+    tol = tolerance(bound, 2 * (Ci // G) * k[0] * k[1], dtype, dtype)
+    bad = ~(np.abs(got - want) <= tol)
+    assert not bad.any(), f"{bad.sum()} of {bad.size} elements off the loops"
+    return conv
+
+
+@pytest.mark.parametrize("case", range(len(_LOOP_CASES)))
+@pytest.mark.parametrize("forced", ["direct", "three", "three-box"])
+def test_cuda_source_on_host_matches_the_loops(host_kernels, monkeypatch, forced, case):
+    """The host build against kinds.op_loops, the literal loops of the seed's op_slow
+    (every other test here compares with the numpy backend, which could share a
+    misreading of SPEC): stride, padding, dilation, groups, both out layouts, gamma full,
+    diagonal and absent, float64 and float32, on each path; off the channel diagonal of
+    a full out, the loops leave the values as they were."""
+    _force(monkeypatch, forced)
+    names = []
+    conv = _loops_check(case, "numpy", run=lambda *a: names.extend(_host_call(host_kernels, *a)))
+    _took(names, forced, conv["stride"][0], conv["dilation"][0])
+
+
+@gpu
+@pytest.mark.parametrize("kind", _kinds())
+@pytest.mark.parametrize("case", range(len(_LOOP_CASES)))
+def test_matches_the_loops(path, kind, case):
+    """test_cuda_source_on_host_matches_the_loops on a GPU."""
+    _loops_check(case, kind)
 
 
 # ------------------------------------------------------------------ the backward

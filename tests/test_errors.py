@@ -169,6 +169,25 @@ def test_host_arrays_on_gpu_backend_refused():
         call(a)
     np.testing.assert_array_equal(a["out"], before)
     assert "cpu" in str(info.value)
+    # ... and names the backends that do run on these arrays (SPEC section 3)
+    assert "backends for cpu arrays: numpy, numba" in str(info.value)
+
+
+def test_arrays_on_different_devices_refused():
+    """One kind, two devices (two GPUs): the kinds error lists each array's device. (On
+    descriptions: a machine without GPUs has no such arrays.)"""
+    from convcov import _arrays, _frontend
+
+    def on(device, shape):
+        strides = tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
+        return _arrays.ArrayInfo("torch", ("cuda", device), "float32", shape, strides,
+                                 1 << 20, False)
+
+    with pytest.raises(TypeError, match="one kind on one device") as info:
+        _frontend._check(on(0, (B, Co, Ho, Wo, Ho, Wo)), None, on(1, (B, Ci, H, W)), None,
+                         K, 1, 0, 1, G)
+    assert "out: torch on cuda:0" in str(info.value)
+    assert "mu: torch on cuda:1" in str(info.value)
 
 
 @pytest.mark.skipif(not HAS_TORCH, reason="torch not installed")
@@ -194,3 +213,314 @@ def test_patch_moment_errors():
         convcov.patch_moment(None, a["mu"], 3, backend="nope")
     with pytest.raises(TypeError, match="gamma: expected a float16"):
         convcov.patch_moment(a["gamma"].astype(np.int64), a["mu"], 3, backend="numpy")
+
+
+# ---------------------------------------------------------------------------------------
+# Inputs found by the twentieth session's review (scratch notes): each was accepted with a
+# wrong result, or refused with an internal error.
+
+
+@pytest.mark.parametrize("backend", ["numpy", "numba"])
+def test_out_with_elements_sharing_memory_refused(backend):
+    """Two elements of out at one address (a zero stride): SPEC section 2 writes every
+    element of out's channel diagonal once and leaves the others bit-identical, which such
+    an out cannot honour (the backends gave different sums)."""
+    a = good()
+    base = np.zeros((1, Co, Ho, Wo, Ho, Wo), np.float32)
+    a["out"] = np.lib.stride_tricks.as_strided(base, (B, *base.shape[1:]),
+                                               (0, *base.strides[1:]))
+    a["backend"] = backend
+    _assert_rejected(a, ValueError, ["out", "share memory", "stride"])
+    full = good()  # full layout whose c' axis has stride 0: the off-diagonal aliases
+    fb = np.zeros((B, Co, Ho, Wo, 1, Ho, Wo), np.float32)
+    full["out"] = np.lib.stride_tricks.as_strided(
+        fb, full["out"].shape, (*fb.strides[:4], 0, *fb.strides[5:]))
+    full["backend"] = backend
+    _assert_rejected(full, ValueError, ["out", "share memory"])
+
+
+def test_out_with_interleaved_strides_checked_exactly():
+    """Strides that do not nest: a 2 x 2 block with strides (1, 1) overlaps (elements
+    (0, 1) and (1, 0)); strides (3, 2) over 2 x 2 do not, and work."""
+    from convcov import _arrays
+
+    def info(shape, strides):
+        return _arrays.ArrayInfo("numpy", ("cpu", None), "float32", shape, strides, 0, False)
+
+    assert _arrays.self_overlapping(info((2, 2), (1, 1)))
+    assert not _arrays.self_overlapping(info((2, 2), (3, 2)))
+    assert not _arrays.self_overlapping(info((3, 2), (2, 3)))  # 0 2 4 / 3 5 7
+    assert _arrays.self_overlapping(info((3, 2), (1, 2)))  # (2, 0) and (0, 1) at 2
+    assert not _arrays.self_overlapping(info((4, 0, 2), (0, 1, 5)))  # no elements
+    assert not _arrays.self_overlapping(info((1, 5, 7), (0, 7, 1)))  # size-1 stride 0
+    assert not _arrays.self_overlapping(info((5, 7), (-7, -1)))  # negative strides
+
+
+def test_interleaved_views_that_share_no_memory_work():
+    """out and mu interleaved in one buffer (out the even elements, mu the odd ones):
+    their bounds meet, but no element is shared, so the call is valid (the bounds alone
+    had refused it)."""
+    a = good()
+    out_size, mu_size = a["out"].size, a["mu"].size
+    buf = np.zeros(2 * out_size, np.float32)
+    a["out"] = buf[0::2].reshape(a["out"].shape)
+    a["mu"] = buf[1::2][:mu_size].reshape(a["mu"].shape)
+    a["mu"][...] = good()["mu"]
+    expected = good()
+    expected["out"] = np.zeros_like(expected["out"])
+    assert not np.shares_memory(a["out"], a["mu"])
+    np.testing.assert_array_equal(call(a), call(expected))
+
+
+def test_tiny_number_c_sums_in_float64():
+    """A Python-number c below float32's normal range: 1e-50 would be 0 as a float32, and
+    1e-45 a subnormal 40% off, so such a c sums in float64 like a c beyond float32's
+    range; on the fast path too (the second call of a signature)."""
+    mu = np.full((1, 1, 3, 3), 1e18, np.float32)  # S = 9e36, finite in float32
+    for c in (1e-50, 1e-45, -1e-40):
+        for backend in ("numpy", "numba"):
+            for _ in range(2):
+                out = np.zeros((1, 1, 1, 1, 1, 1), np.float32)
+                convcov.accumulate(out, None, mu, c, 3, backend=backend)
+                np.testing.assert_allclose(out[0, 0, 0, 0, 0, 0], np.float32(9e36 * c),
+                                           rtol=1e-6)
+
+
+def test_c_beyond_float64_refused():
+    a = changed(c=10 ** 400)
+    _assert_rejected(a, ValueError, ["c", "too large"])
+
+
+@pytest.mark.parametrize("value", [np.array([3, 3]), np.array([1, 1])])
+def test_conv_parameters_as_arrays(value):
+    """A pair given as a 1-d array (or tensor) is a pair, like a tuple."""
+    a = good()
+    ref = good()
+    if value[0] == 3:
+        a["kernel_size"] = value
+    else:
+        a["stride"] = value
+    np.testing.assert_array_equal(call(a), call(ref))
+    np.testing.assert_array_equal(
+        convcov.patch_moment(None, good()["mu"], np.array([3, 3]), backend="numpy"),
+        convcov.patch_moment(None, good()["mu"], (3, 3), backend="numpy"))
+
+
+@pytest.mark.parametrize("value, exc, words", [
+    (np.array(2), None, []),  # a 0-d integer array is a number
+    (np.array([1, 1, 1]), ShapeError, ["stride", "pair"]),
+    ("1", TypeError, ["stride", "int"]),
+])
+def test_conv_parameter_kinds(value, exc, words):
+    a = changed(stride=value, kernel_size=1)
+    a["out"] = np.zeros((B, Co, 3, 3, Co, 3, 3), np.float32)
+    if exc is None:
+        call(a)
+    else:
+        _assert_rejected(a, exc, words)
+
+
+@pytest.mark.parametrize("backend", [{"numpy"}, {"numpy": 0}, 1.5, [["numpy"]]])
+def test_backend_argument_type(backend):
+    """backend= is a name or a list of names, whatever was called before (the choice is
+    cached per request: a set must not pass for the list with its names)."""
+    call(changed(backend=["numpy"]))
+    _assert_rejected(changed(backend=backend), TypeError, ["backend=", "name"])
+
+
+def test_big_endian_arrays_refused_with_the_reason():
+    a = changed(mu=good()["mu"].astype(">f4"))
+    _assert_rejected(a, TypeError, ["mu", ">f4", "byte order"])
+
+
+def test_masked_array_refused():
+    a = changed(mu=np.ma.masked_array(good()["mu"], mask=False))
+    _assert_rejected(a, TypeError, ["mu", "masked"])
+
+
+class _FakeCuda:
+    """A CUDA array interface over no memory: what validation sees of a CUDA array."""
+
+    def __init__(self, shape, typestr="<f4", offset=0):
+        self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr, "version": 3,
+                                         "data": ((1 << 40) + offset, False), "strides": None}
+
+
+def test_big_endian_cuda_interface_refused():
+    """The typestr's byte order is part of the dtype: '>f4' is not float32 on a GPU."""
+    from convcov import _arrays
+
+    assert _arrays.info(_FakeCuda((2,)), "x").dtype == "float32"
+    assert _arrays.info(_FakeCuda((2,), ">f4"), "x").dtype == ">f4"
+    args = [_FakeCuda((B, Co, Ho, Wo, Ho, Wo)), None, _FakeCuda((B, Ci, H, W), ">f4"), 1.0, K]
+    with pytest.raises(TypeError, match="mu: .*>f4.*byte order"):
+        convcov.accumulate(*args, groups=G)
+
+
+def test_misaligned_cuda_array_refused_before_any_launch():
+    """A CUDA load from a misaligned address would fault and end the CUDA context: the
+    front end refuses it (validation only: these arrays have no memory, and the error
+    comes before any backend is chosen)."""
+    out = _FakeCuda((B, Co, Ho, Wo, Ho, Wo), offset=(1 << 20))
+    mu = _FakeCuda((B, Ci, H, W), offset=2)
+    with pytest.raises(ValueError, match="mu: its data address .* multiple of its item size"):
+        convcov.accumulate(out, None, mu, 1.0, K, groups=G)
+
+
+def _torch_args():
+    import torch
+
+    return {k: (torch.from_numpy(v) if isinstance(v, np.ndarray) else v)
+            for k, v in good().items()}
+
+
+def _assert_torch_rejected(args, exc, words, backend="numba"):
+    import torch
+
+    a = dict(args)
+    out = a.pop("out")
+    before = out.detach().clone()
+    with pytest.raises(exc) as info:
+        convcov.accumulate(out, a.pop("gamma"), a.pop("mu"), a.pop("c"), a.pop("kernel_size"),
+                           backend=backend, **a)
+    for w in words:
+        assert w in str(info.value), f"{w!r} not in message: {info.value}"
+    assert torch.equal(out.detach(), before)
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="torch not installed")
+@pytest.mark.parametrize("which", ["out", "gamma", "mu", "c"])
+def test_torch_negated_views_refused(which):
+    """A lazily negated view (``z.conj().imag``) holds -x in memory: it is refused with
+    the way out, also when its call signature is already bound (the fast path reads
+    addresses, which are the same as for a plain tensor)."""
+    import torch
+
+    convcov.accumulate(*(_torch_args()[k] for k in ("out", "gamma", "mu", "c", "kernel_size")),
+                       groups=G, backend="numba")  # binds the plain signature
+    a = _torch_args()
+    x = a[which]
+    z = torch.complex(torch.zeros_like(x), x)
+    a[which] = z.conj().imag.neg_()  # the same values, with the neg bit: -(-x)
+    assert a[which].is_neg() and torch.equal(a[which], x)
+    _assert_torch_rejected(a, TypeError, [which, "resolve_neg"])
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="torch not installed")
+@pytest.mark.parametrize("make", ["sparse", "vmap"])
+def test_torch_tensors_without_memory_refused(make):
+    import torch
+
+    a = _torch_args()
+    if make == "sparse":
+        a["mu"] = a["mu"].to_sparse()
+        _assert_torch_rejected(a, TypeError, ["mu", "layout"])
+        return
+    mus = torch.stack([a["mu"], a["mu"]])
+    out = a["out"]
+    before = out.clone()
+
+    def one(m):
+        return convcov.accumulate(out, a["gamma"], m, a["c"], K, groups=G, backend="numba")
+
+    with pytest.raises(TypeError, match="mu"):
+        torch.vmap(one)(mus)
+    assert torch.equal(out, before)
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="torch not installed")
+@pytest.mark.parametrize("case", ["c bool", "c str", "numpy out", "list out", "1-d out",
+                                  "numpy c", "huge c", "numpy scalar c"])
+def test_torch_subclass_calls_checked(case):
+    """Tensor subclasses go through the torch operator without the data-reading checks
+    (tracers' tensors have no data); the checks that need no data still give the
+    direct path's errors."""
+    import torch
+
+    class Sub(torch.Tensor):
+        pass
+
+    a = _torch_args()
+    a["mu"] = a["mu"].as_subclass(Sub)
+    exc, words = TypeError, []
+    if case == "c bool":
+        a["c"], words = True, ["c"]
+    elif case == "c str":
+        a["c"], words = "2", ["c", "real number", "'2'"]
+    elif case == "numpy out":
+        a["out"], words = good()["out"], ["one kind", "out: numpy.ndarray"]
+    elif case == "list out":
+        a["out"], words = [[0.0]], ["one kind", "out: builtins.list"]
+    elif case == "1-d out":
+        a["out"], exc, words = torch.zeros(3), ShapeError, ["out", "7 dims"]
+    elif case == "numpy c":
+        a["c"], words = np.ones(Co, np.float32), ["one kind", "c: numpy.ndarray"]
+    elif case == "huge c":
+        a["c"], exc, words = 10 ** 400, ValueError, ["c", "too large"]
+    elif case == "numpy scalar c":  # valid: a number (the call goes through)
+        ref = _torch_args()
+        convcov.accumulate(ref["out"], ref["gamma"], ref["mu"], 2.0, K, groups=G,
+                           backend="numba")
+        convcov.accumulate(a["out"], a["gamma"], a["mu"], np.float32(2), K, groups=G,
+                           backend="numba")
+        assert torch.equal(a["out"], ref["out"])
+        return
+    out = a["out"]
+    before = out.copy() if isinstance(out, np.ndarray) else (
+        out.clone() if isinstance(out, torch.Tensor) else list(out))
+    with pytest.raises(exc) as info:
+        convcov.accumulate(out, a["gamma"], a["mu"], a["c"], K, groups=G, backend="numba")
+    for w in words:
+        assert w in str(info.value), f"{w!r} not in message: {info.value}"
+    if isinstance(out, torch.Tensor):
+        assert torch.equal(out, before)
+    elif isinstance(out, np.ndarray):
+        np.testing.assert_array_equal(out, before)
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="torch not installed")
+@pytest.mark.parametrize("grad", [False, True])
+def test_patch_moment_mixed_kinds(grad):
+    """numpy gamma with a torch mu: the kinds error, naming the arguments patch_moment
+    has (not torch's schema error, which printed the whole array)."""
+    import torch
+
+    a = good()
+    mu = torch.from_numpy(a["mu"]).requires_grad_(grad)
+    with pytest.raises(TypeError, match="one kind") as info:
+        convcov.patch_moment(a["gamma"], mu, K, groups=G, backend="numba")
+    assert "mu: torch on cpu" in str(info.value) and "gamma: numpy on cpu" in str(info.value)
+    assert "out" not in str(info.value)
+
+
+def _cuda_backends():
+    from kinds import torch_cuda
+
+    if not torch_cuda():
+        return [pytest.param(None, marks=pytest.mark.skip(reason="no CUDA device for torch"))]
+    return [pytest.param(b.name, marks=pytest.mark.skipif(not b.available, reason=b.reason))
+            for b in convcov.backends() if b.device == "cuda"]
+
+
+@pytest.mark.parametrize("backend", _cuda_backends())
+def test_cuda_tensors_refused_after_binding(backend):
+    """On a GPU too, with the signature bound (the fast path): a negated view of each
+    input, and an out with a zero stride, are refused before anything is written."""
+    import torch
+
+    def args():
+        return {k: (v.cuda() if isinstance(v, torch.Tensor) else v)
+                for k, v in _torch_args().items()}
+
+    a = args()
+    for _ in range(2):  # bind
+        convcov.accumulate(a["out"], a["gamma"], a["mu"], a["c"], K, groups=G, backend=backend)
+    for which in ("out", "gamma", "mu", "c"):
+        a = args()
+        x = a[which]
+        a[which] = torch.complex(torch.zeros_like(x), x).conj().imag.neg_()
+        _assert_torch_rejected(a, TypeError, [which, "resolve_neg"], backend=backend)
+    a = args()
+    a["out"] = a["out"][:1].expand_as(a["out"])
+    _assert_torch_rejected(a, ValueError, ["out", "share memory"], backend=backend)
+    torch.cuda.synchronize()

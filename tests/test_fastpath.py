@@ -86,24 +86,26 @@ def test_version_counter_counts_each_call(spy):
 
 
 @needs_torch
-def test_aliasing_is_checked_on_every_call(spy):
-    """A signature bound with separate arrays, then called with out overlapping mu (same
-    shapes, strides and alignment): ValueError, out unchanged."""
+@pytest.mark.parametrize("which", ["gamma", "mu", "c"])
+def test_aliasing_is_checked_on_every_call(spy, which):
+    """A signature bound with separate arrays, then called with out overlapping gamma, mu
+    or c (same shapes, strides and alignment): ValueError, out unchanged."""
     import torch
 
-    n_out, n_mu = B * Co * HO**4 * Co, B * Ci * H * H
-    buf = torch.zeros(n_out + n_mu + 8)
-    out = buf[:n_out].view(B, Co, HO, HO, Co, HO, HO)
-    gamma, c = tensors()[1], 1.0
-    mu = buf[n_out + 8:].view(B, Ci, H, H)
-    mu.normal_()
+    out0, *inputs = tensors()
+    args = dict(zip(("gamma", "mu", "c"), inputs))
+    n_out, n_x = out0.numel(), args[which].numel()
+    buf = torch.zeros(n_out + n_x + 8)
+    out = buf[:n_out].view(out0.shape)
+    args[which] = buf[n_out + 8:].view(args[which].shape).copy_(args[which])
     for _ in range(3):
-        convcov.accumulate(out, gamma, mu, c, K, backend="numba")
+        convcov.accumulate(out, args["gamma"], args["mu"], args["c"], K, backend="numba")
     assert spy.taken[-1] is True
-    mu_alias = buf[n_out - 8:n_out - 8 + n_mu].view(B, Ci, H, H)
+    args[which] = buf[n_out - 8:n_out - 8 + n_x].view(args[which].shape)
     before = out.clone()
-    with pytest.raises(ValueError, match="out: shares memory with mu"):
-        convcov.accumulate(out, gamma, mu_alias, c, K, backend="numba")
+    with pytest.raises(ValueError, match=f"out: shares memory with {which}"):
+        convcov.accumulate(out, args["gamma"], args["mu"], args["c"], K, backend="numba")
+    assert spy.taken[-1] is None  # the fast path saw it, and left it to the full path
     assert torch.equal(out, before)
 
 
@@ -264,20 +266,32 @@ def test_numpy_each_call_uses_its_own_arrays(np_spy, c_array):
     assert type(np_spy[0]) is tuple and np_spy[1:] == [True, True, True]
 
 
-def test_numpy_aliasing_is_checked_on_every_call(np_spy):
-    n_out, n_mu = B * Co * HO**4 * Co, B * Ci * H * H
-    buf = np.zeros(n_out + n_mu + 8, np.float32)
-    out = buf[:n_out].reshape(B, Co, HO, HO, Co, HO, HO)
-    gamma = arrays()[1]
-    mu = buf[n_out + 8:].reshape(B, Ci, H, H)
-    mu[...] = 1.0
+@pytest.mark.parametrize("which", ["gamma", "mu", "c"])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_numpy_aliasing_is_checked_on_every_call(np_spy, which, reverse):
+    """As for torch, and with the input reversed (negative strides: its first element at
+    its highest address), so that the bounds are taken from both ends."""
+    out0, *inputs = arrays()
+    args = dict(zip(("gamma", "mu", "c"), inputs))
+    shape = np.shape(args[which])
+    n_out, n_x = out0.size, args[which].size
+    buf = np.zeros(n_out + n_x + 8, np.float32)
+    out = buf[:n_out].reshape(out0.shape)
+
+    def view(lo):
+        flat = buf[lo:lo + n_x]
+        return (flat[::-1] if reverse else flat).reshape(shape)
+
+    args[which] = view(n_out + 8)
+    args[which][...] = inputs[("gamma", "mu", "c").index(which)]
     for _ in range(3):
-        convcov.accumulate(out, gamma, mu, 1.0, K, backend="numba")
+        convcov.accumulate(out, args["gamma"], args["mu"], args["c"], K, backend="numba")
     assert np_spy[-1] is True
-    mu_alias = buf[n_out - 8:n_out - 8 + n_mu].reshape(B, Ci, H, H)
+    args[which] = view(n_out - 8)
+    assert np.shares_memory(out, args[which])
     before = out.copy()
-    with pytest.raises(ValueError, match="out: shares memory with mu"):
-        convcov.accumulate(out, gamma, mu_alias, 1.0, K, backend="numba")
+    with pytest.raises(ValueError, match=f"out: shares memory with {which}"):
+        convcov.accumulate(out, args["gamma"], args["mu"], args["c"], K, backend="numba")
     assert np_spy[-1] is None
     np.testing.assert_array_equal(out, before)
 

@@ -546,6 +546,11 @@ VJP_CASES = {name: CASES[name] for name in ("seed", "stride-pad", "dilation-grou
                                               "five-channels")}
 VJP_CASES["stride-both-dilation"] = dict(B=2, Ci=2, H=7, W=6, k=3, stride=(2, 3),
                                          padding=(2, 1), dilation=(2, 1))
+# dilation along the rows (dw > 1) too, with a wide kernel and padding on one side only
+VJP_CASES["row-dilation"] = dict(B=1, Ci=3, H=6, W=9, k=(2, 3), stride=(1, 2),
+                                 padding=(0, 2), dilation=(1, 2))
+VJP_CASES["both-dilations"] = dict(B=2, Ci=2, H=8, W=8, k=3, stride=1, padding=1,
+                                   dilation=(2, 3))
 
 
 @pytest.mark.parametrize("full", [False, True], ids=["diag", "full"])

@@ -3,12 +3,14 @@
 Without a GPU (CI) the kernels run under Numba's CUDA simulator on numpy and torch CPU
 arrays (tests/conftest.py switches it on): both kernel paths (one launch, S straight from
 gamma; three launches through T and S in global memory) are forced on the same small
-problems, with every layout, ``c`` form, dtype (bfloat16 through torch) and conv
-parameter, the vector widths of the three-launch kernels, padding next to Inf, and a
-float64 sum that must reach bfloat16 with one rounding. With a GPU the same checks run on torch CUDA
-tensors, plus what only a device can show: CuPy arrays and numba device arrays, a launch
-on a non-default torch stream, an ``out`` of more than 2**31 elements, several threads at
-once. Tests that need what is missing skip and say why.
+problems of signed inputs, with every layout, ``c`` form, dtype (bfloat16 through torch)
+and conv parameter, the vector widths of the three-launch kernels, padding next to Inf,
+and a float64 sum that must reach bfloat16 with one rounding; the kernels compiled for
+sm_90 without a GPU (tests/_compile_numba_cuda.py) cover every one the plans ask for, over
+every dtype mix. With a GPU the same checks run on torch CUDA tensors, plus what only a
+device can show: CuPy arrays and numba device arrays, a launch on a non-default torch
+stream, an ``out`` of more than 2**31 elements, several threads at once. Tests that need
+what is missing skip and say why.
 """
 
 from __future__ import annotations
@@ -50,11 +52,15 @@ def test_probe_reason_is_clear():
 
 @pytest.mark.skipif(REASON is not None and "numba-cuda" in REASON, reason=f"numba_cuda: {REASON}")
 def test_every_kernel_compiles_for_the_gpu():
-    """Every kernel variant the plans use (each kernel, dtype, accumulation dtype and vector
-    width; tests/_compile_numba_cuda.py) compiles through Numba, NVVM and ptxas for sm_90.
-    The simulator that runs the kernels in CI executes their Python and never compiles
-    them, so without this a typing error in a kernel would first show on a GPU machine.
-    Its own process: the simulator is switched on in this one (conftest.py)."""
+    """The kernel variants of tests/_compile_numba_cuda.py (every element type at every
+    pointer of every kernel, with each accumulation dtype and vector width the plans pair
+    it with; test_compiled_variants_cover_every_request holds the list to what the plans
+    ask for) compile through Numba, NVVM and ptxas for sm_90. The simulator that runs
+    the kernels in CI executes their Python and never compiles them, so without this a
+    typing error in a kernel would first show on a GPU machine. Its own process: the
+    simulator is switched on in this one (conftest.py). ``python
+    tests/_compile_numba_cuda.py --all`` compiles every variant the plans can ask for
+    (662, about six times as long: 5 min here, 2026-12-01)."""
     import os
     from pathlib import Path
 
@@ -69,6 +75,133 @@ def test_every_kernel_compiles_for_the_gpu():
     from _compile_numba_cuda import variants
 
     assert f"compiled {len(variants())} kernels for sm_90" in r.stdout, r.stdout[-2000:]
+
+
+def _requested_kernels(monkeypatch):
+    """Every kernel (name, pointer element types, accumulation dtype, V) the plans ask
+    numba_cuda._kernel for over a sweep of calls, launching nothing (simulator, torch CPU
+    tensors: bfloat16 comes from torch). Forward, through S straight from gamma: every
+    dtype of out, gamma, mu and c, and every one without float64 with a number c beyond
+    float32's range (float64 sums). Through T and S: each gamma and mu dtype (gsum) and
+    each out and c dtype (the update, diagonal and full layouts) at each vector width
+    (the address V elements past a 32-byte boundary) with float32 and float64 sums (a
+    float64 array beside them), and each walk of S. Backward: each dtype of grad_S and
+    grad_gamma, and of grad_S, mu and grad_mu, with float32 and float64 sums. And the
+    other forms: gamma None, full gamma, a number c, a 0-d c."""
+    import itertools
+
+    import torch
+
+    from convcov._frontend import patch_moment_vjp
+    from convcov.backends import numba_cuda as mod
+
+    from _compile_numba_cuda import TYPES, WIDTHS
+
+    asked = set()
+
+    class _NoLaunch:  # kernel[grid, block](*args), as the simulator's launch calls it
+        def __getitem__(self, launch_config):
+            return lambda *args: None
+
+    def record(name, elems, acc, V=1):
+        asked.add((name, tuple(elems), acc, V))
+        return _NoLaunch()
+
+    monkeypatch.setattr(mod, "_kernel", record)
+    _forget_plans(monkeypatch)
+    dtype = {"float16": torch.float16, "uint16": torch.bfloat16, "float32": torch.float32,
+             "float64": torch.float64}
+
+    def arr(shape, t, V=None):
+        """Zeros of pointer type t, V elements past a 32-byte boundary (the widest vector
+        aligned there is V elements) or, V None, at one."""
+        n = int(np.prod(shape))
+        buf = torch.zeros(n + 64, dtype=dtype[t])
+        at = (-buf.data_ptr() % 32) // buf.element_size() + (V or 0)
+        return buf[at:at + n].view(shape)
+
+    mu_shape, s_shape = (1, 2, 4, 4), (1, 1, 4, 4, 4, 4)
+    diag, full_shape = (1, 2, 4, 4, 4, 4), (1, 2, 4, 4, 2, 4, 4)  # out's and gamma's
+
+    def forward(o, g, m, c, direct, Vg=None, Vo=None, full=False, k=1, **flags):
+        """One call (B 1, Ci = Co = 2, 4 x 4, padding keeping 4 x 4) on one path, with
+        these numba_cuda flags: g None or "full:" + type; c a type (shape (Co,)),
+        "0d:" + type, or a number."""
+        with monkeypatch.context() as mp:
+            mp.setattr(mod, "DIRECT_TERMS", 1 << 62 if direct else -1)
+            mp.setattr(mod, "DIRECT_RATIO", 1 << 62 if direct else -1)
+            for name, value in flags.items():
+                mp.setattr(mod, name, value)
+            mod._plans.clear()
+            _frontend._bound.clear()
+            gamma = None if g is None else (arr(full_shape, g[5:]) if g.startswith("full:")
+                                            else arr(diag, g, Vg))
+            cc = (c if not isinstance(c, str) else arr((), c[3:]) if c.startswith("0d:")
+                  else arr((2,), c))
+            out = arr(full_shape if full else diag, o, Vo)
+            convcov.accumulate(out, gamma, arr(mu_shape, m), cc, k, padding=k // 2,
+                               backend="numba_cuda")
+
+    def backward(s, m, gg, gm):
+        patch_moment_vjp(arr(s_shape, s), arr(mu_shape, m), 1, backend="numba_cuda",
+                         grad_gamma=None if gg is None else arr(diag, gg),
+                         grad_mu=None if gm is None else arr(mu_shape, gm))
+
+    no_f64 = ("float16", "uint16", "float32")  # with these alone: float32 sums
+    for o, g, m, c in itertools.product(TYPES, repeat=4):
+        forward(o, g, m, c, True)
+    for o, g, m in itertools.product(no_f64, repeat=3):
+        forward(o, g, m, 1e-39, True)  # below float32's normal range: float64 sums
+    for acc in ("float32", "float64"):  # the dtype of the arrays beside, so of the sums
+        types = no_f64 if acc == "float32" else TYPES
+        for g, m in itertools.product(types, repeat=2):
+            for V in WIDTHS[g]:
+                forward(acc, g, m, acc, False, Vg=V)
+        for o, c in itertools.product(types, repeat=2):
+            for V in WIDTHS[o]:
+                for full in (False, True):
+                    forward(o, acc, acc, c, False, Vo=V, full=full)
+        for k, flags in ((1, {}), (3, {}), (3, {"WALK_KW": False}), (3, {"SBOX_WALK": False})):
+            forward(acc, acc, acc, acc, False, k=k, **flags)
+        for s, g in itertools.product(types, repeat=2):
+            backward(s, acc, g, None)
+        for s, m, d in itertools.product(types, repeat=3):
+            backward(s, m, acc if acc == "float64" else None, d)
+    for t in TYPES:
+        for direct in (True, False):
+            forward(t, None, t, -0.5, direct)
+            forward(t, "full:" + t, t, "0d:" + t, direct, full=True)
+    return asked
+
+
+@pytest.mark.skipif(not (SIM and HAS_TORCH and REASON is None), reason=(
+    "records what the plans ask for under the CUDA simulator, with torch's bfloat16 "
+    "(a GPU compiles each kernel the suite launches anyway)"))
+def test_compiled_variants_cover_every_request(monkeypatch):
+    """The GPU compile test's list cannot drift from the plans: every kernel the plans
+    ask for over a sweep of calls (_requested_kernels: each dtype mix, bfloat16 and
+    float64 among them, both paths, each vector width, float64 sums, the backward) is one
+    that tests/_compile_numba_cuda.py's requests() derives from the plans' rules, the
+    sweep asks for each of those, and the variants test_every_kernel_compiles_for_the_gpu
+    compiles cover each: a compiled variant of the same kernel, accumulation dtype and
+    width has its element type at each pointer (a kernel with no pointer: itself)."""
+    from _compile_numba_cuda import requests, variants
+
+    asked = _requested_kernels(monkeypatch)
+    derived = set(requests())
+    assert not asked - derived, f"requests() lacks {sorted(asked - derived)[:8]}"
+    assert not derived - asked, f"requests() has, never asked for, {sorted(derived - asked)[:8]}"
+    compiled = variants()
+    have = {(name, acc, V, i, t) for name, elems, acc, V in compiled
+            for i, t in enumerate(elems)}
+
+    def is_covered(r):
+        name, elems, acc, V = r
+        return all((name, acc, V, i, t) in have for i, t in enumerate(elems)) and (
+            elems or r in compiled)
+
+    uncovered = [r for r in sorted(asked) if not is_covered(r)]
+    assert not uncovered, f"no variant compiled for the GPU covers {uncovered[:8]}"
 
 
 def test_never_chosen_automatically_for_host_arrays():
@@ -111,14 +244,20 @@ def path(request, monkeypatch):
 
 def _problem(rng, B, Ci, Co, H, W, k, full_out=True, gamma="full", G=1, stride=(1, 1),
              padding=(0, 0), dilation=(1, 1)):
+    """(out, gamma, mu, c, k, conv) of one call, float64, every input standard normal: of
+    both signs, so that a sign lost on the way (an abs of c or of a term) shows. c[0] (the
+    number and the 0-d c of _check) is negative, c[1] positive."""
     kh, kw = k
     Ho = (H + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
     Wo = (W + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
     out = rng.standard_normal((B, Co, Ho, Wo, Co, Ho, Wo) if full_out else (B, Co, Ho, Wo, Ho, Wo))
-    g = {"full": lambda: rng.random((B, Ci, H, W, Ci, H, W)),
-         "diag": lambda: rng.random((B, Ci, H, W, H, W)), None: lambda: None}[gamma]()
+    g = {"full": lambda: rng.standard_normal((B, Ci, H, W, Ci, H, W)),
+         "diag": lambda: rng.standard_normal((B, Ci, H, W, H, W)), None: lambda: None}[gamma]()
+    c = rng.standard_normal(Co)
+    c[0] = -abs(c[0])
+    c[1:2] = abs(c[1:2])
     conv = dict(stride=stride, padding=padding, dilation=dilation, groups=G)
-    return out, g, rng.standard_normal((B, Ci, H, W)), rng.random(Co) + 0.5, k, conv
+    return out, g, rng.standard_normal((B, Ci, H, W)), c, k, conv
 
 
 def _shifted(x):
@@ -134,7 +273,9 @@ def _shifted(x):
 
 def _check(out0, gamma, mu, c, k, conv, kind, dtypes, layouts=("contiguous",) * 3,
            c_form="1d", seed=0, misalign=False):
-    """Run numba_cuda on arrays of ``kind``; compare with the float64 literal loops."""
+    """Run numba_cuda on arrays of ``kind``; compare with the float64 literal loops. The
+    tolerance is the forward error bound of the sum (kinds.tolerance) on the absolute
+    values of its terms, so cancellation between terms of both signs stays within it."""
     rng = np.random.default_rng(seed)
     dt_out, dt_g, dt_mu, dt_c = dtypes
     out = make(out0, kind, dt_out, layouts[0], rng)

@@ -160,12 +160,21 @@ def test_patch_moment_dtype_and_kind():
         assert float(S[0, 0, 0, 0, 0, 0]) == 2 * 9
 
 
-def test_empty_dimensions_are_a_no_op():
-    for B, Ci, Co in [(0, 2, 2), (2, 0, 2), (2, 2, 0)]:
-        out = np.full((B, Co, 2, 2, Co, 2, 2), 3.0)
-        res = convcov.accumulate(out, None, np.ones((B, Ci, 4, 4)), 1.0, 3, backend="numpy")
-        assert res is out
-        assert (out == 3.0).all()
+@pytest.mark.parametrize("backend", ["numpy", "numba"])
+def test_empty_dimensions_are_a_no_op(backend):
+    """No batch, no output channel, no input channel, or an input of no positions (its
+    windows all in the padding): out stays bit-identical, -0.0 included (adding c * 0
+    would make it +0.0), with a Python-number c and with a c array."""
+    for B, Ci, Co, H in [(0, 2, 2, 4), (2, 0, 2, 4), (2, 2, 0, 4), (2, 2, 2, 0)]:
+        for c in (1.0, np.full(Co, 2.0)):
+            pad = 2 if H == 0 else 0
+            Ho = H + 2 * pad - 2
+            out = np.full((B, Co, Ho, Ho, Co, Ho, Ho), -0.0)
+            gamma = np.ones((B, Ci, H, H, H, H))
+            res = convcov.accumulate(out, gamma, np.ones((B, Ci, H, H)), c, 3, padding=pad,
+                                     backend=backend)
+            assert res is out
+            assert out.size == 0 or np.signbit(out).all(), (B, Ci, Co, H)
 
 
 def test_nonfinite_propagate_and_padding_does_not_poison():

@@ -436,9 +436,11 @@ def _quad_adder(dec):
 
     def add_quad(dst, gp, g0, g1, g2, g3, mp, m0, m1, m2, m3, a0, a1, a2, a3, n, with_gamma):
         if with_gamma:
+            # Each gamma value in dst's dtype before the sum: float32 planes summed in
+            # float32 would round where the accumulation dtype is float64.
             for e in range(n):
-                dst[e] += (((dec(gp[g0 + e]) + dec(gp[g1 + e]))
-                            + (dec(gp[g2 + e]) + dec(gp[g3 + e])))
+                dst[e] += (((_like(dec(gp[g0 + e]), dst) + _like(dec(gp[g1 + e]), dst))
+                            + (_like(dec(gp[g2 + e]), dst) + _like(dec(gp[g3 + e]), dst)))
                            + ((a0 * dec(mp[m0 + e]) + a1 * dec(mp[m1 + e]))
                               + (a2 * dec(mp[m2 + e]) + a3 * dec(mp[m3 + e]))))
         else:

@@ -1,0 +1,78 @@
+"""Experiment: phase 1 with software prefetch of only the first K lines of each gamma plane
+(the L2 stream prefetcher to fetch the rest), at several distances, against the shipped
+prefetch of every line 8 planes ahead. Interleaved rounds, both cores."""
+import inspect, statistics, sys, textwrap, time
+import numpy as np
+from numba import njit
+import convcov
+from convcov import bench
+from convcov.backends import numba as nb
+
+ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 4
+w = next(x for x in bench.WORKLOADS if x.name == "cpu")
+dev = bench._Host()
+sets = [bench._inputs(dev, w) for _ in range(3)]
+calls = []
+real_run = nb._run
+nb._run = lambda prm, cv, M: calls.append((prm.copy(), cv, M))
+for s in sets:
+    convcov.accumulate(s["out"], s["gamma"], s["mu"], s["c"], w.k, backend="numba")
+nb._run = real_run
+SRC = textwrap.dedent(inspect.getsource(nb._kernel))
+PHASE1 = SRC.split("        # Phase 2:")[0]
+
+def make_pf(K):
+    @njit(**nb._inner)
+    def pf(addr, code, off, sx, sy, H, W, write):
+        if sy != 1:
+            return
+        if sx == W:
+            H, W = 1, H * W
+        isz = nb._itemsize(code)
+        for x in range(H):
+            start = addr + (off + x * sx) * isz
+            end = start + W * isz
+            line = start & ~63
+            k = 0
+            while line < end and k < K:
+                nb._prefetch_read(line)
+                line += 64
+                k += 1
+    return pf
+
+def compiled(code, name, extra=None):
+    ns = dict(nb.__dict__, **(extra or {}))
+    exec(code.replace("def _kernel(", f"def {name}("), ns)
+    return njit(parallel=True, nogil=True, error_model="numpy")(ns[name])
+
+def with_prm(f, **values):
+    idx = {n: nb._PRM.index(n) for n in values}
+    def g(prm, cv, M):
+        q = prm.copy()
+        for n, v in values.items():
+            q[idx[n]] = v
+        f(q, cv, M)
+    return g
+
+base = compiled(PHASE1, "_p1")
+variants = {"p1 shipped (16 lines, 8 ahead)": base}
+for K in (1, 2, 4):
+    k = compiled(PHASE1, f"_p1k{K}", {"_prefetch_plane": make_pf(K)})
+    for dist in (8, 16, 32):
+        variants[f"p1 head {K} lines, {dist} ahead"] = with_prm(k, pf_gamma=dist)
+variants["p1 no prefetch"] = with_prm(base, pf_gamma=0)
+for f in variants.values():
+    f(*calls[0])
+res = {n: [] for n in variants}
+names = list(variants)
+for rnd in range(ROUNDS):
+    for n in (names if rnd % 2 == 0 else names[::-1]):
+        ts = []
+        for i in range(30):
+            prm, cv, M = calls[i % 3]
+            t0 = time.perf_counter(); variants[n](prm, cv, M); ts.append(time.perf_counter() - t0)
+        res[n].append(statistics.median(ts) * 1e6)
+    print(rnd, flush=True)
+for n, v in res.items():
+    print(f"{n:34s} median {statistics.median(v):7.0f}  range {min(v):.0f}-{max(v):.0f}")
+print("copy GB/s:", round(dev.copy_bandwidth() / 1e9, 1))
