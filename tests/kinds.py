@@ -62,6 +62,8 @@ def _layout_view(a: np.ndarray, layout: str, rng) -> tuple[np.ndarray, tuple]:
         perm = tuple(rng.permutation(a.ndim))
         base = np.ascontiguousarray(a.transpose(perm))
         return base, ("permute", tuple(np.argsort(perm)))
+    if layout == "broadcast":  # the first element along axis 0 for all: a zero stride
+        return a[:1].copy(), ("broadcast", a.shape)
     if layout == "reversed":  # one axis backwards: a negative stride (numpy and CuPy)
         axis = int(rng.integers(a.ndim))
         index = [slice(None)] * a.ndim
@@ -79,7 +81,9 @@ def _layout_view(a: np.ndarray, layout: str, rng) -> tuple[np.ndarray, tuple]:
 
 
 def make(a: np.ndarray, kind: str, dtype: str, layout: str = "contiguous", rng=None):
-    """Array of ``kind`` / ``dtype`` holding ``a`` (rounded to dtype), with ``layout``."""
+    """Array of ``kind`` / ``dtype`` holding ``a`` (rounded to dtype), with ``layout``.
+    ("broadcast" holds ``a``'s first slice along axis 0 in every slice: other values, read
+    back with to_f64 as every test does.)"""
     rng = rng or np.random.default_rng(0)
     base, recipe = _layout_view(np.asarray(a, np.float64), layout, rng)
     if kind == "numpy":
@@ -104,7 +108,12 @@ def make(a: np.ndarray, kind: str, dtype: str, layout: str = "contiguous", rng=N
         x = cuda.to_device(np.ascontiguousarray(base.astype(dtype)))
     else:
         raise ValueError(kind)
-    if recipe and recipe[0] == "permute":
+    if recipe and recipe[0] == "broadcast":
+        if kind.startswith("torch"):
+            x = x.expand(*recipe[1])
+        else:
+            x = (np if kind == "numpy" else __import__("cupy")).broadcast_to(x, recipe[1])
+    elif recipe and recipe[0] == "permute":
         x = x.permute(*recipe[1]) if kind.startswith("torch") else x.transpose(recipe[1])
     elif recipe and recipe[0] == "step":
         x = x[recipe[1]]

@@ -25,6 +25,9 @@ LAYOUTS = ("contiguous", "permuted", "strided")
 #: ... and a negative stride, for the kinds that have them (torch and numba device arrays
 #: do not)
 REVERSED = {"numpy", "cupy"}
+#: ... and for the inputs, a zero stride (one batch element's values for all, as from
+#: broadcast_to or expand; numba device arrays have none)
+BROADCAST = {"numpy", "cupy", "torch", "torch_cuda"}
 
 
 @st.composite
@@ -34,7 +37,7 @@ def problems(draw, small: bool):
     # up to 5 input channels a group: numba's four-channel passes and their remainder
     cg = draw(st.integers(1, 2 if small else 5))
     co_per_g = draw(st.integers(1, 2 if small else 3))
-    kh, kw = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    kh, kw = draw(st.integers(1, 3 if small else 5)), draw(st.integers(1, 3 if small else 5))
     sh, sw = draw(st.integers(1, 2 if small else 3)), draw(st.integers(1, 2 if small else 3))
     dh, dw = draw(st.integers(1, 2)), draw(st.integers(1, 2))
     ph, pw = draw(st.integers(0, 2)), draw(st.integers(0, 2))
@@ -72,11 +75,13 @@ def run_case(name: str, data, small: bool) -> None:
     dt = {a: data.draw(st.sampled_from(dtypes), label=f"{a} dtype")
           for a in ("out", "gamma", "mu", "c")}
     layouts = LAYOUTS + (("reversed",) if kind in REVERSED else ())
-    lay = {a: data.draw(st.sampled_from(layouts), label=f"{a} layout")
+    in_layouts = layouts + (("broadcast",) if kind in BROADCAST else ())
+    lay = {a: data.draw(st.sampled_from(layouts if a == "out" else in_layouts),
+                        label=f"{a} layout")
            for a in ("out", "gamma", "mu")}
     full_out = data.draw(st.booleans(), label="full out")
     gamma_form = data.draw(st.sampled_from(["full", "diag", None]), label="gamma")
-    c_form = data.draw(st.sampled_from(["number", "0d", "1d"]), label="c")
+    c_form = data.draw(st.sampled_from(["number", "int", "0d", "1d"]), label="c")
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1), label="seed"))
     # numba device arrays cannot be 0-d (to_device gives shape (1,)) nor sliced when empty
     assume(kind != "numba" or (c_form != "0d" and pr["B"] > 0))
@@ -97,6 +102,8 @@ def run_case(name: str, data, small: bool) -> None:
     c_vals = rng.standard_normal(Co)
     if c_form == "number":
         c = float(c_vals[0])
+    elif c_form == "int":  # a Python int (the fast paths key it apart from a float)
+        c = int(np.round(3 * c_vals[0]))
     elif c_form == "0d":
         c = make(np.array(c_vals[0]), kind, dt["c"])
     else:
@@ -105,7 +112,7 @@ def run_case(name: str, data, small: bool) -> None:
     # The reference sees exactly the values the backend sees (already rounded to dtype).
     out0, mu64 = to_f64(out), to_f64(mu)
     g64 = None if gamma is None else to_f64(gamma)
-    c64 = c if isinstance(c, float) else np.broadcast_to(to_f64(c), (Co,)).copy()
+    c64 = float(c) if isinstance(c, (float, int)) else np.broadcast_to(to_f64(c), (Co,)).copy()
     kw_args = dict(stride=pr["stride"], padding=pr["padding"], dilation=pr["dilation"],
                    groups=pr["G"])
     ref = convcov.accumulate(out0.copy(), g64, mu64, c64, pr["k"], backend="numpy", **kw_args)
@@ -117,7 +124,7 @@ def run_case(name: str, data, small: bool) -> None:
     got = to_f64(out)
 
     inputs = [dt["out"], dt["mu"]] + ([dt["gamma"]] if gamma is not None else []) + (
-        [dt["c"]] if c_form != "number" else [])
+        [dt["c"]] if c_form not in ("number", "int") else [])
     acc = "float64" if "float64" in inputs else "float32"
     tol = tolerance(bound, 2 * (Ci // pr["G"]) * kh * kw, acc, dt["out"])
     err = np.abs(got - ref)
