@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib
 import os
 import threading
+import warnings
 from typing import NamedTuple
 
 from ._errors import BackendError
@@ -157,6 +158,13 @@ def _load_entry_points() -> None:
     from importlib.metadata import entry_points
 
     for ep in entry_points(group="convcov.backends"):
+        if ep.name in BUILTIN:
+            # A built-in's name always means the built-in: an installed package must not
+            # change what "numpy" computes, and get() answers built-ins before it loads
+            # entry points. (register_backend, called on purpose, may replace one.)
+            warnings.warn(f"convcov: entry point {ep.name!r} = {ep.value!r} ignored: "
+                          f"{ep.name!r} is a built-in backend", RuntimeWarning, stacklevel=2)
+            continue
         try:
             obj = ep.load()
             backend = obj() if isinstance(obj, type) else obj

@@ -169,13 +169,25 @@ def test_entry_point_plugin(tmp_path):
     dist = tmp_path / "myplug-1.0.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: myplug\nVersion: 1.0\n")
-    (dist / "entry_points.txt").write_text("[convcov.backends]\nmyplug = myplug:backend\n")
+    # a second entry point with a built-in's name: ignored, with a warning
+    (dist / "entry_points.txt").write_text(
+        "[convcov.backends]\nmyplug = myplug:backend\nnumpy = myplug:backend\n")
     code = textwrap.dedent("""
+        import warnings
         import numpy as np, convcov
-        assert "myplug" in [b.name for b in convcov.backends()]
+        ref = np.zeros((1, 1, 1, 1, 1, 1))  # mu = 3: the reference gives 9, the plug-in 1
+        convcov.accumulate(ref, None, np.full((1, 1, 1, 1), 3.0), 1.0, 1, backend="numpy")
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            assert "myplug" in [b.name for b in convcov.backends()]
+        assert any("'numpy'" in str(w.message) and "ignored" in str(w.message)
+                   for w in seen), [str(w.message) for w in seen]
         out = np.zeros((1, 1, 1, 1, 1, 1))
         convcov.accumulate(out, None, np.ones((1, 1, 1, 1)), 1.0, 1, backend="myplug")
         assert out.sum() == 1, out
+        again = np.zeros((1, 1, 1, 1, 1, 1))  # "numpy" is still the reference
+        convcov.accumulate(again, None, np.full((1, 1, 1, 1), 3.0), 1.0, 1, backend="numpy")
+        assert (again == ref).all() and ref.sum() == 9, (again, ref)
         print("ok")
     """)
     env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
