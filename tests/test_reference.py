@@ -193,3 +193,30 @@ def test_nonfinite_propagate_and_padding_does_not_poison():
     out = np.zeros((1, 1, 1, 1, 1, 1))
     convcov.accumulate(out, None, nan_mu, 1.0, 3, backend="numpy")
     assert np.isnan(out).all()
+
+
+def _cuda_kind_cases():
+    backends = [b for b in convcov.backends() if b.device == "cuda" and b.available]
+    kinds = kinds_for("cuda")
+    if not backends or not kinds:
+        return [pytest.param(None, None, marks=pytest.mark.skip(reason="no CUDA backend here"))]
+    return [pytest.param(b.name, k, id=f"{b.name}-{k}") for b in backends for k in kinds]
+
+
+@pytest.mark.parametrize("name, kind", _cuda_kind_cases())
+def test_patch_moment_on_every_cuda_kind(name, kind):
+    """S comes back in mu's library, on its device, float32 for float32 inputs, and equal
+    to the reference: torch CUDA tensors, CuPy arrays and numba device arrays alike."""
+    rng = np.random.default_rng(8)
+    gamma = rng.standard_normal((2, 4, 6, 5, 6, 5))
+    mu = rng.standard_normal((2, 4, 6, 5))
+    args = dict(stride=(2, 1), padding=(1, 1), dilation=(1, 2), groups=2)
+    g, m = make(gamma, kind, "float32"), make(mu, kind, "float32")
+    S = convcov.patch_moment(g, m, 3, backend=name, **args)
+    assert type(S).__module__.split(".")[0] == type(m).__module__.split(".")[0], type(S)
+    if kind.startswith("torch"):
+        assert S.device == m.device and str(S.dtype) == "torch.float32"
+    else:
+        assert str(np.dtype(S.dtype)) == "float32"
+    want = convcov.patch_moment(to_f64(g), to_f64(m), 3, backend="numpy", **args)
+    np.testing.assert_allclose(to_f64(S), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
