@@ -13,6 +13,7 @@ if ``torch`` is already in ``sys.modules``, so kinds are recognised by looking t
 from __future__ import annotations
 
 import atexit
+import math
 import sys
 import threading
 from typing import NamedTuple
@@ -191,10 +192,7 @@ def self_overlapping(a: ArrayInfo) -> bool:
         reach += (n - 1) * s
     else:
         return False
-    count = 1
-    for _, n in dims:
-        count *= n
-    if count > 1 << 20:
+    if math.prod([n for _, n in dims]) > 1 << 20:
         return False
     offsets = np.zeros(1, np.int64)
     for s, n in dims:

@@ -251,13 +251,10 @@ def select(requested, device: str, dtypes: frozenset) -> Backend:
     The choice is cached per (request, CONVCOV_BACKEND value, device, dtypes): availability
     is probed once per process anyway, and small calls cannot afford the search.
     """
-    if requested is None or isinstance(requested, str):
-        request = requested
-    elif isinstance(requested, (list, tuple)) and all(isinstance(v, str) for v in requested):
-        request = tuple(requested)
-    else:  # checked before the cache: a set or a dict must not pass as a list
-        raise TypeError(f"backend=: expected a backend name or a list of names; got "
-                        f"{requested!r}")
+    # A list is checked before the cache: a set or a dict must not pass for the list of
+    # its names.
+    request = (requested if requested is None or isinstance(requested, str)
+               else tuple(_parse(requested, "backend=")))
     key = (request, os.environ.get(ENV_VAR), device, dtypes)
     b = _choices.get(key)
     if b is None:

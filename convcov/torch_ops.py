@@ -310,14 +310,14 @@ def _check_routed(out, gamma, mu, c):
     type and the ranks the operator's arguments are taken from. The kernel checks the
     rest when it runs (the direct path's checks, on the real tensors)."""
     T = torch.Tensor
-    others = [("out", out), ("gamma", gamma)]
-    if not isinstance(c, T) and (isinstance(c, bool) or not isinstance(c, numbers.Real)):
+    arrays = [("out", out)] + ([] if gamma is None else [("gamma", gamma)])
+    number = isinstance(c, numbers.Real) and not isinstance(c, bool)
+    if not (number or isinstance(c, T)):
         if isinstance(c, bool) or not any(hasattr(c, a) for a in (
                 "__array__", "__array_interface__", "__cuda_array_interface__")):
             raise TypeError(f"c: expected a real number or a float tensor; got {c!r}")
-        others.append(("c", c))  # an array of another kind
-    bad = [(n, x) for n, x in others if x is not None or n == "out"
-           if not isinstance(x, T)]
+        arrays.append(("c", c))  # an array of another kind
+    bad = [(n, x) for n, x in arrays if not isinstance(x, T)]
     if bad:
         got = ", ".join(f"{n}: {type(x).__module__}.{type(x).__qualname__}" for n, x in bad)
         raise TypeError(f"all arrays must be of one kind on one device; mu is a torch "

@@ -188,6 +188,15 @@ def tolerance(bound: np.ndarray, n_terms: int, acc: str, out_dtype: str) -> np.n
     return (UNIT[out_dtype] + 2 * (n_terms + 2) * UNIT[acc]) * bound + 1e-300
 
 
+class FakeCudaArray:
+    """Looks like a CUDA array (``__cuda_array_interface__``), points nowhere: what
+    validation and dispatch see of one, on machines without a GPU."""
+
+    def __init__(self, shape, typestr="<f4", ptr=0x7F0000000000):
+        self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr,
+                                         "data": (ptr, False), "version": 3, "strides": None}
+
+
 def at_once(n: int, work) -> None:
     """Run ``work(i, start)`` in ``n`` threads, i = 0 .. n-1; ``start()`` returns once every
     thread has called it, so the calls that follow overlap. Fails, in the caller's thread,

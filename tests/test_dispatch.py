@@ -15,7 +15,7 @@ import pytest
 import convcov
 from convcov import Backend, BackendError, _registry
 
-from kinds import HAS_TORCH
+from kinds import HAS_TORCH, FakeCudaArray
 
 
 class Recorder(Backend):
@@ -115,14 +115,6 @@ def test_automatic_host_choice_is_numba_then_numpy(monkeypatch):
     numba_ok = _registry.get("numba").unavailable_reason() is None
     want = "numba" if numba_ok else "numpy"
     assert _registry.select(None, "cpu", frozenset({"float32"})).name == want
-
-
-class FakeCudaArray:
-    """Looks like a CUDA array (``__cuda_array_interface__``), points nowhere."""
-
-    def __init__(self, shape, typestr="<f4", ptr=0x7F0000000000):
-        self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr,
-                                         "data": (ptr, False), "version": 3, "strides": None}
 
 
 def test_cuda_arrays_routed_to_cuda_backend(fakes):

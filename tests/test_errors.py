@@ -9,7 +9,7 @@ import pytest
 import convcov
 from convcov import BackendError, ShapeError
 
-from kinds import HAS_TORCH
+from kinds import HAS_TORCH, FakeCudaArray
 
 B, Ci, Co, G, H, W, K = 2, 4, 6, 2, 5, 5, 3
 Ho = Wo = 3
@@ -338,21 +338,14 @@ def test_masked_array_refused():
     _assert_rejected(a, TypeError, ["mu", "masked"])
 
 
-class _FakeCuda:
-    """A CUDA array interface over no memory: what validation sees of a CUDA array."""
-
-    def __init__(self, shape, typestr="<f4", offset=0):
-        self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr, "version": 3,
-                                         "data": ((1 << 40) + offset, False), "strides": None}
-
-
 def test_big_endian_cuda_interface_refused():
     """The typestr's byte order is part of the dtype: '>f4' is not float32 on a GPU."""
     from convcov import _arrays
 
-    assert _arrays.info(_FakeCuda((2,)), "x").dtype == "float32"
-    assert _arrays.info(_FakeCuda((2,), ">f4"), "x").dtype == ">f4"
-    args = [_FakeCuda((B, Co, Ho, Wo, Ho, Wo)), None, _FakeCuda((B, Ci, H, W), ">f4"), 1.0, K]
+    assert _arrays.info(FakeCudaArray((2,)), "x").dtype == "float32"
+    assert _arrays.info(FakeCudaArray((2,), ">f4"), "x").dtype == ">f4"
+    args = [FakeCudaArray((B, Co, Ho, Wo, Ho, Wo)), None,
+            FakeCudaArray((B, Ci, H, W), ">f4"), 1.0, K]
     with pytest.raises(TypeError, match="mu: .*>f4.*byte order"):
         convcov.accumulate(*args, groups=G)
 
@@ -361,8 +354,8 @@ def test_misaligned_cuda_array_refused_before_any_launch():
     """A CUDA load from a misaligned address would fault and end the CUDA context: the
     front end refuses it (validation only: these arrays have no memory, and the error
     comes before any backend is chosen)."""
-    out = _FakeCuda((B, Co, Ho, Wo, Ho, Wo), offset=(1 << 20))
-    mu = _FakeCuda((B, Ci, H, W), offset=2)
+    out = FakeCudaArray((B, Co, Ho, Wo, Ho, Wo), ptr=(1 << 40) + (1 << 20))
+    mu = FakeCudaArray((B, Ci, H, W), ptr=(1 << 40) + 2)
     with pytest.raises(ValueError, match="mu: its data address .* multiple of its item size"):
         convcov.accumulate(out, None, mu, 1.0, K, groups=G)
 

@@ -26,40 +26,21 @@ the median of the rounds' medians of 40 calls.
 
 Usage: ``python docs/results/scripts/cpu_parts.py [rounds]`` from the repository root.
 """
-import inspect
 import statistics
 import sys
-import textwrap
 import time
 
 import numpy as np
+from _cpu_kernel import DEV as dev
+from _cpu_kernel import W as w
+from _cpu_kernel import SRC, compiled, inputs_and_calls, phases, run_with, with_prm
 from numba import njit, prange
 
-import convcov
-from convcov import bench
 from convcov.backends import numba as nb
 
 ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 5
-w = next(x for x in bench.WORKLOADS if x.name == "cpu")
-dev = bench._Host()
-sets = [bench._inputs(dev, w) for _ in range(3)]
-
-# The kernel's arguments for each input set, as the backend makes them.
-calls = []
-real_run = nb._run
-nb._run = lambda prm, cv, M: calls.append((prm.copy(), cv, M))
-for s in sets:
-    convcov.accumulate(s["out"], s["gamma"], s["mu"], s["c"], w.k, backend="numba")
-nb._run = real_run
-
-SRC = textwrap.dedent(inspect.getsource(nb._kernel))
-
-
-def phases(src):
-    """(the kernel ``src`` with phase 2 cut, the kernel ``src`` with phase 1 cut)."""
-    head, p2 = src.split("        # Phase 2:")
-    return head, head.split("        # Phase 1:")[0] + "        # Phase 2:" + p2
-
+# The inputs, and the kernel's arguments for each input set as the backend makes them.
+sets, calls = inputs_and_calls()
 
 PHASE1, PHASE2 = phases(SRC)
 
@@ -67,24 +48,6 @@ PHASE1, PHASE2 = phases(SRC)
 def edit(code, old, new):
     assert old in code, old
     return code.replace(old, new)
-
-
-def compiled(code, name, extra=None):
-    ns = dict(nb.__dict__, **(extra or {}))
-    exec(code.replace("def _kernel(", f"def {name}("), ns)
-    return njit(parallel=True, nogil=True, error_model="numpy")(ns[name])
-
-
-def with_prm(f, **values):
-    idx = {n: nb._PRM.index(n) for n in values}
-
-    def g(prm, cv, M):
-        q = prm.copy()
-        for n, v in values.items():
-            q[idx[n]] = v
-        f(q, cv, M)
-
-    return g
 
 
 # --- phase 1 variants
@@ -181,10 +144,8 @@ variants = {
 for name, code in (("p1 spread prefetch", SRC_SPREAD), ("p2 S rows first", SRC_FIRST)):
     whole = compiled(code, "_chk", {"_add_quad_spread": _add_quad_spread})
     a, b = sets[0]["out"].copy(), sets[0]["out"].copy()
-    for o, k in ((a, nb._parallel), (b, whole)):
-        nb._run = lambda prm, cv, M, k=k: k(prm, cv, M)
-        convcov.accumulate(o, sets[0]["gamma"], sets[0]["mu"], sets[0]["c"], w.k, backend="numba")
-    nb._run = real_run
+    run_with(nb._parallel, a, sets[0])
+    run_with(whole, b, sets[0])
     assert np.array_equal(a, b), name
 
 # --- the read-only probe: gamma's channel-diagonal planes in phase 1's order

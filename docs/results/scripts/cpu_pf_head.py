@@ -1,25 +1,14 @@
 """Experiment: phase 1 with software prefetch of only the first K lines of each gamma plane
 (the L2 stream prefetcher to fetch the rest), at several distances, against the shipped
 prefetch of every line 8 planes ahead. Interleaved rounds, both cores."""
-import inspect, statistics, sys, textwrap, time
-import numpy as np
+import statistics, sys, time
 from numba import njit
-import convcov
-from convcov import bench
+from _cpu_kernel import DEV as dev, SRC, compiled, inputs_and_calls, phases, with_prm
 from convcov.backends import numba as nb
 
 ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 4
-w = next(x for x in bench.WORKLOADS if x.name == "cpu")
-dev = bench._Host()
-sets = [bench._inputs(dev, w) for _ in range(3)]
-calls = []
-real_run = nb._run
-nb._run = lambda prm, cv, M: calls.append((prm.copy(), cv, M))
-for s in sets:
-    convcov.accumulate(s["out"], s["gamma"], s["mu"], s["c"], w.k, backend="numba")
-nb._run = real_run
-SRC = textwrap.dedent(inspect.getsource(nb._kernel))
-PHASE1 = SRC.split("        # Phase 2:")[0]
+sets, calls = inputs_and_calls()
+PHASE1 = phases(SRC)[0]
 
 def make_pf(K):
     @njit(**nb._inner)
@@ -39,20 +28,6 @@ def make_pf(K):
                 line += 64
                 k += 1
     return pf
-
-def compiled(code, name, extra=None):
-    ns = dict(nb.__dict__, **(extra or {}))
-    exec(code.replace("def _kernel(", f"def {name}("), ns)
-    return njit(parallel=True, nogil=True, error_model="numpy")(ns[name])
-
-def with_prm(f, **values):
-    idx = {n: nb._PRM.index(n) for n in values}
-    def g(prm, cv, M):
-        q = prm.copy()
-        for n, v in values.items():
-            q[idx[n]] = v
-        f(q, cv, M)
-    return g
 
 base = compiled(PHASE1, "_p1")
 variants = {"p1 shipped (16 lines, 8 ahead)": base}

@@ -1,27 +1,16 @@
 """Experiment: phase 1 of pair s on one core while phase 2 of pair s-1 runs on the other
 (a two-stage pipeline, M double-buffered), against the shipped kernel (both phases on both
 cores, one after the other). Interleaved rounds on the cpu workload's inputs."""
-import inspect, statistics, sys, textwrap, time
+import statistics, sys, textwrap, time
 import numpy as np
-from numba import njit
-import convcov
-from convcov import bench
+from _cpu_kernel import DEV as dev, W as w, SRC, compiled, inputs_and_calls, run_with
 from convcov.backends import numba as nb
 
 ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 6
-w = next(x for x in bench.WORKLOADS if x.name == "cpu")
-dev = bench._Host()
-sets = [bench._inputs(dev, w) for _ in range(3)]
-calls = []
-real_run = nb._run
-nb._run = lambda prm, cv, M: calls.append((prm.copy(), cv, M))
-for s in sets:
-    convcov.accumulate(s["out"], s["gamma"], s["mu"], s["c"], w.k, backend="numba")
-nb._run = real_run
+sets, calls = inputs_and_calls()
 print("pairs per chunk in the shipped call:", calls[0][0][nb._PRM.index("pairs")],
       "M elements:", calls[0][2].size)
 
-SRC = textwrap.dedent(inspect.getsource(nb._kernel))
 head, rest = SRC.split("    for first in range(0, B * G, pairs):\n")
 p1 = rest.split("        # Phase 1:")[1].split("        # Phase 2:")[0]
 p2 = rest.split("        # Phase 2:")[1]
@@ -36,7 +25,7 @@ p2 = ed(p2, "for task in prange(n * Ho):", "for task in range(n * Ho):")
 p2 = ed(p2, "at = ((t * H + x0) * W + y0) * HW", "at = (((t + slot) * H + x0) * W + y0) * HW")
 p2 = ed(p2, "elif task + 1 < n * Ho", "elif task + 1 < n * Ho and False")
 ind = lambda s, k: textwrap.indent(s, " " * k)
-PIPE = (head.replace("def _kernel(", "def _pipe(")
+PIPE = (head  # (still named _kernel: compiled() renames it)
         + "    nch = B * G\n"
         + "    for step in range(nch + 1):\n"
         + "        for which in prange(2):\n"
@@ -47,24 +36,17 @@ PIPE = (head.replace("def _kernel(", "def _pipe(")
         + "            elif which == 1 and step >= 1:\n"
         + "                first = step - 1\n                slot = (step - 1) % 2\n"
         + ind(p2, 8))
-ns = dict(nb.__dict__)
-exec(PIPE, ns)
-pipe = njit(parallel=True, nogil=True, error_model="numpy")(ns["_pipe"])
-def variant(old, new, name):
-    ns2 = dict(nb.__dict__); exec(PIPE.replace(old, new).replace("def _pipe(", f"def {name}("), ns2)
-    return njit(parallel=True, nogil=True, error_model="numpy")(ns2[name])
-p1only = variant("elif which == 1 and step >= 1:", "elif which == 1 and step >= 1 and step < 0:", "_p1o")
-p2only = variant("if which == 0 and step < nch:", "if which == 0 and step < nch and step < 0:", "_p2o")
+pipe = compiled(PIPE, "_pipe")
+p1only = compiled(ed(PIPE, "elif which == 1 and step >= 1:", "elif which == 1 and step >= 1 and step < 0:"), "_p1o")
+p2only = compiled(ed(PIPE, "if which == 0 and step < nch:", "if which == 0 and step < nch and step < 0:"), "_p2o")
 
 HW = w.H * w.H
 Ms = [np.empty(2 * HW * HW, calls[0][2].dtype) for _ in range(3)]
 
 # same bits?
 a, b = sets[0]["out"].copy(), sets[0]["out"].copy()
-for o, k in ((a, lambda prm, cv, M: nb._parallel(prm, cv, M)), (b, lambda prm, cv, M: pipe(prm, cv, Ms[0]))):
-    nb._run = k
-    convcov.accumulate(o, sets[0]["gamma"], sets[0]["mu"], sets[0]["c"], w.k, backend="numba")
-nb._run = real_run
+run_with(nb._parallel, a, sets[0])
+run_with(lambda prm, cv, M: pipe(prm, cv, Ms[0]), b, sets[0])
 print("same bits:", np.array_equal(a, b))
 
 variants = {"kernel": lambda i: nb._parallel(*calls[i % 3]),
