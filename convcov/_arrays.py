@@ -13,7 +13,9 @@ if ``torch`` is already in ``sys.modules``, so kinds are recognised by looking t
 from __future__ import annotations
 
 import atexit
+import ctypes
 import math
+import os
 import sys
 import threading
 from typing import NamedTuple
@@ -38,6 +40,11 @@ class ArrayInfo(NamedTuple):
     strides: tuple  # in elements
     ptr: int  # address of element [0, ..., 0]
     readonly: bool
+    #: A generic CUDA array's ``__cuda_array_interface__`` "stream" (v3): the stream its
+    #: producer's pending work on it is queued on, None when nothing is pending. Always
+    #: None for numpy arrays, torch tensors and CuPy arrays (their library's current
+    #: stream is the one that matters).
+    stream: int | None = None
 
 
 def _torch():
@@ -140,8 +147,15 @@ def info(x, name: str) -> ArrayInfo:
                 acc *= max(n, 1)
             strides = tuple(reversed(strides))
         ptr, readonly = cai["data"]
+        stream = cai.get("stream")
+        if stream is not None and (type(stream) is not int or stream < 0):
+            # CAI v3: None, or a stream handle (1: the legacy default stream, 2: the
+            # per-thread default stream). A producer's stream is waited for, never
+            # guessed: what cannot be a handle is refused.
+            raise TypeError(f"{name}: __cuda_array_interface__['stream'] must be None or "
+                            f"a non-negative int stream handle; got {stream!r}")
         return ArrayInfo("cai", ("cuda", _cai_device(x, ptr)), dtype, shape,
-                         _elem_strides(strides, itemsize), ptr, bool(readonly))
+                         _elem_strides(strides, itemsize), ptr, bool(readonly), stream)
     raise TypeError(
         f"{name}: expected a numpy.ndarray, torch.Tensor, cupy.ndarray or an object with "
         f"__cuda_array_interface__; got {type(x).__module__}.{type(x).__qualname__}"
@@ -149,14 +163,47 @@ def info(x, name: str) -> ArrayInfo:
 
 
 def _cai_device(x, ptr) -> int | None:
-    """Device ordinal of a generic CUDA array (numba device arrays and the like)."""
+    """Device ordinal of a generic CUDA array (numba device arrays and the like): numba's
+    own record, else the driver's (``pointer_device``); None when neither knows."""
     numba_cuda = sys.modules.get("numba.cuda")
     if numba_cuda is not None and hasattr(x, "gpu_data"):
         try:
             return x.gpu_data.context.device.id  # numba DeviceNDArray
         except AttributeError:
             pass
-    return None  # unknown: GPU backends then use the current device
+    return pointer_device(ptr)
+
+
+_cuPointerGetAttribute = None  # the driver's function, or False where it is not loaded
+_CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9
+
+
+def pointer_device(ptr: int) -> int | None:
+    """Ordinal of the device that holds address ``ptr``, from the CUDA driver
+    (``cuPointerGetAttribute``); None when the driver is not loaded in this process (no
+    CUDA array can exist then), has not been initialised, or does not know the address.
+
+    Only a driver some library has loaded already is used (``RTLD_NOLOAD``): convcov
+    never loads or initialises CUDA itself. Without this, an array whose producer records
+    no device would be computed on the current device, wherever it lives."""
+    global _cuPointerGetAttribute
+    fn = _cuPointerGetAttribute
+    if fn is None:
+        fn = False
+        try:
+            lib = ctypes.CDLL("libcuda.so.1", mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+            fn = lib.cuPointerGetAttribute
+            fn.argtypes = (ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64)
+            fn.restype = ctypes.c_int
+        except (OSError, AttributeError):  # no driver loaded (or not Linux)
+            fn = False
+        _cuPointerGetAttribute = fn
+    if fn is False or not ptr:
+        return None
+    ordinal = ctypes.c_int(-1)
+    if fn(ctypes.byref(ordinal), _CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr) != 0:
+        return None  # CUDA_ERROR_NOT_INITIALIZED, or not a device address
+    return ordinal.value
 
 
 def span(a: ArrayInfo) -> tuple[int, int] | None:
@@ -418,11 +465,38 @@ def torch_stream_getter():
 
 
 def current_stream(kind: str, dev) -> int:
-    """Raw handle of the stream a GPU backend launches on: the current stream of the
-    arrays' library on device ``dev`` (torch's for torch tensors, CuPy's for CuPy arrays),
-    the legacy default stream (0) for other ``__cuda_array_interface__`` producers."""
+    """Raw handle of the current stream of the arrays' library on device ``dev``: torch's
+    for torch tensors, CuPy's for CuPy arrays; the legacy default stream (0) otherwise
+    (``launch_streams`` has what generic CUDA arrays name)."""
     if kind == "torch":
         return (_torch_stream or torch_stream_getter())(dev)
     if kind == "cupy":
         return sys.modules["cupy"].cuda.get_current_stream(-1 if dev is None else dev).ptr
     return 0
+
+
+_LEGACY = (0, 1)  # handles of the legacy default stream: the null handle and CU_STREAM_LEGACY
+
+
+def launch_streams(kind: str, dev, infos) -> tuple[int, tuple]:
+    """(the stream a GPU backend launches on, the streams it must make that one wait for
+    first), as raw handles. ``infos``: the call's ArrayInfos (None for absent ones), the
+    arrays written first.
+
+    torch tensors and CuPy arrays: their library's current stream, nothing to wait for.
+    Generic CUDA arrays (``__cuda_array_interface__`` v3, numba device arrays): the stream
+    the written array names, so that its producer's pending work comes first and work the
+    user queues there next sees the result; the legacy default stream when it names
+    none. Every other stream an array names is waited for (an event recorded there), as
+    the interface asks of a consumer."""
+    if kind != "cai":
+        return current_stream(kind, dev), ()
+    infos = [a for a in infos if a is not None]
+    launch = 0 if infos[0].stream is None else infos[0].stream
+    waits = []
+    for a in infos[1:]:
+        s = a.stream
+        if (s is not None and s != launch and s not in waits
+                and not (s in _LEGACY and launch in _LEGACY)):
+            waits.append(s)
+    return launch, tuple(waits)

@@ -82,6 +82,11 @@ class Problem:
         leaves out bit-identical (out + c * 0 would turn -0.0 into +0.0)."""
         return 0 in (self.B, self.Co, self.Ho, self.Wo, self.Ci, self.H, self.W)
 
+    @property
+    def infos(self) -> tuple:
+        """The arrays' ArrayInfos, the one written first (None for absent ones)."""
+        return (self.out_info, self.gamma_info, self.mu_info, self.c_info)
+
     def layout_key(self) -> tuple:
         """What a GPU backend's launch plan depends on: the conv parameters, the
         accumulation dtype and each array's dtype, shape, strides and address modulo 16
@@ -795,6 +800,11 @@ class Adjoint:
     def empty(self) -> bool:
         return 0 in (self.B, self.Ci, self.H, self.W) or (self.grad_gamma is None
                                                         and self.grad_mu is None)
+
+    @property
+    def infos(self) -> tuple:
+        """The arrays' ArrayInfos, the ones written first (None for absent ones)."""
+        return (self.grad_gamma_info, self.grad_mu_info, self.grad_S_info, self.mu_info)
 
 
 def patch_moment_vjp(grad_S, mu, kernel_size, *, grad_gamma=None, grad_mu=None, stride=1,

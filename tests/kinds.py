@@ -192,9 +192,10 @@ class FakeCudaArray:
     """Looks like a CUDA array (``__cuda_array_interface__``), points nowhere: what
     validation and dispatch see of one, on machines without a GPU."""
 
-    def __init__(self, shape, typestr="<f4", ptr=0x7F0000000000):
+    def __init__(self, shape, typestr="<f4", ptr=0x7F0000000000, stream=None):
         self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr,
-                                         "data": (ptr, False), "version": 3, "strides": None}
+                                         "data": (ptr, False), "version": 3, "strides": None,
+                                         "stream": stream}
 
 
 def at_once(n: int, work) -> None:

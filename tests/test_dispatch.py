@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import convcov
-from convcov import Backend, BackendError, _registry
+from convcov import Backend, BackendError, _arrays, _registry
 
 from kinds import HAS_TORCH, FakeCudaArray
 
@@ -125,6 +125,48 @@ def test_cuda_arrays_routed_to_cuda_backend(fakes):
     assert p.kind == "cai" and p.device[0] == "cuda" and p.out is out and p.c_value == 2.0
     with pytest.raises(BackendError, match="fake_a: runs on cpu arrays, these are cuda"):
         convcov.accumulate(out, None, mu, 2.0, 3, backend="fake_a")
+
+
+def test_generic_cuda_arrays_name_their_streams(fakes):
+    """A generic CUDA array's __cuda_array_interface__ "stream" reaches the backend, and
+    launch_streams picks the launch stream (out's, else the legacy default stream) and
+    the other streams to wait for (each once; the legacy stream's two handles as one)."""
+    from convcov._arrays import launch_streams
+
+    out = FakeCudaArray((1, 2, 2, 2, 2, 2, 2), ptr=0x10000000, stream=0x5000)
+    mu = FakeCudaArray((1, 2, 4, 4), ptr=0x20000000, stream=0x6000)
+    c = FakeCudaArray((2,), ptr=0x30000000, stream=0x6000)
+    convcov.accumulate(out, None, mu, c, 3, backend="fake_cuda")
+    (p,) = fakes["fake_cuda"].calls
+    assert [None if a is None else a.stream for a in p.infos] == [0x5000, None, 0x6000, 0x6000]
+    assert launch_streams(p.kind, p.device[1], p.infos) == (0x5000, (0x6000,))
+
+    def infos(*streams):
+        return [None if s == "absent" else _arrays.info(FakeCudaArray((1,), stream=s), "x")
+                for s in streams]
+
+    assert launch_streams("cai", None, infos(None, None, None)) == (0, ())
+    assert launch_streams("cai", None, infos(None, "absent", 7, None)) == (0, (7,))
+    assert launch_streams("cai", None, infos(7, 7, 9, 1)) == (7, (9, 1))
+    assert launch_streams("cai", None, infos(1, 0, None, 2)) == (1, (2,))
+    assert launch_streams("cai", None, infos(None, 1)) == (0, ())
+    assert launch_streams("cai", None, infos("absent", 3, 4)) == (3, (4,))  # grad_gamma absent
+
+
+@pytest.mark.parametrize("stream", ["1", 1.0, True, -1])
+def test_cuda_array_stream_that_is_no_handle_refused(stream):
+    out = FakeCudaArray((1, 2, 2, 2, 2, 2, 2), ptr=0x10000000)
+    mu = FakeCudaArray((1, 2, 4, 4), ptr=0x20000000, stream=stream)
+    with pytest.raises(TypeError, match=r"mu: __cuda_array_interface__\['stream'\] must be"):
+        convcov.accumulate(out, None, mu, 1.0, 3)
+
+
+def test_pointer_device_without_a_cuda_driver():
+    """Where no CUDA driver is loaded (or it does not know the address), a generic CUDA
+    array's device stays unknown: nothing loads or initialises CUDA for it."""
+    assert _arrays.pointer_device(0) is None
+    if _arrays.pointer_device(0x10000000) is None:
+        assert _arrays.info(FakeCudaArray((1,), ptr=0x10000000), "x").device == ("cuda", None)
 
 
 def test_cuda_arrays_without_gpu_backend_give_clear_error(monkeypatch):

@@ -392,6 +392,34 @@ def test_negative_strides(path):
     np.testing.assert_allclose(out_v, ref, rtol=1e-5, atol=1e-5)
 
 
+def _reversed(x):
+    """``x`` with every axis reversed: a view with negative strides only."""
+    return x[(slice(None, None, -1),) * x.ndim]
+
+
+@available
+@pytest.mark.skipif(not (ON_GPU and has_cupy_gpu()),
+                    reason="negative strides on a GPU come from CuPy views (torch has none)")
+@pytest.mark.parametrize("full_out, gamma", [(True, "full"), (False, "diag"), (True, None)])
+def test_negative_strides_on_the_gpu(path, full_out, gamma):
+    """Every array a view with every axis reversed (float64 out, float32 gamma and mu, c),
+    with groups, padding and a non-square kernel, against the numpy reference on the
+    same views: the kernels must step backwards with negative strides."""
+    import cupy
+
+    out, g, mu, c, k, cv = _problem(np.random.default_rng(5), 2, 4, 4, 5, 6, (3, 2),
+                                    full_out=full_out, gamma=gamma, G=2, padding=(1, 0))
+    g = None if g is None else g.astype(np.float32)
+    mu = mu.astype(np.float32)
+    want = convcov.accumulate(_reversed(out).copy(), None if g is None else _reversed(g),
+                              _reversed(mu), _reversed(c), k, backend="numpy", **cv)
+    views = [None if x is None else _reversed(cupy.asarray(x)) for x in (out, g, mu, c)]
+    assert all(s < 0 for v in views if v is not None for s in v.strides)
+    convcov.accumulate(*views, k, backend="numba_cuda", **cv)
+    np.testing.assert_allclose(cupy.asnumpy(views[0]), want, rtol=1e-5,
+                               atol=1e-5 * np.abs(want).max())
+
+
 def test_packed_arguments():
     """A plan's launch arguments as the driver takes them (_pack): one 8-byte word an
     argument, tuples spread out, negative ints as int64, floats as the accumulation type

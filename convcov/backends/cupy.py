@@ -4,8 +4,9 @@ Owns the CUDA C++ source below (``SOURCE``), its compilation into ``cupy.RawModu
 (templated on the storage and accumulation types: one module per type family, compiled
 once per process, cached on disk by CuPy), the choice of kernels and launch sizes for one
 call, and the launch itself on the arrays' device and on their library's current stream:
-torch's for torch tensors, CuPy's for CuPy arrays, the legacy default stream for other
-``__cuda_array_interface__`` objects (numba device arrays).
+torch's for torch tensors, CuPy's for CuPy arrays; for other ``__cuda_array_interface__``
+objects (numba device arrays) the stream ``out`` names, after the streams the inputs name
+(``convcov._arrays.launch_streams``).
 
 Design (docs/cupy.md has the byte counts and the measurements). The operation is
 memory-bound, so the kernels are built around the bytes SPEC section 5 counts:
@@ -56,8 +57,8 @@ import array
 import struct
 import threading
 
-from .._arrays import (KEEP_SCRATCH, contiguous, current_stream, diag_strides,
-                       kept_torch_scratch, torch_scratch, torch_stream_getter, vector_width)
+from .._arrays import (KEEP_SCRATCH, contiguous, diag_strides, kept_torch_scratch,
+                       launch_streams, torch_scratch, torch_stream_getter, vector_width)
 from .._registry import Backend
 
 #: Dtype names -> (code used by the kernels' run-time typed loads, C++ storage type, bytes).
@@ -1159,6 +1160,28 @@ def _write(args, optr, gptr, mptr, cptr, t_ptr, s_ptr, c_bits):
     return args
 
 
+class _Handle:
+    """A raw stream handle in the CUDA stream protocol (``__cuda_stream__``)."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+    def __cuda_stream__(self):
+        return (0, self.ptr)
+
+
+def _cupy_stream(cp, ptr):
+    """A CuPy stream object for a raw handle, to make it CuPy's current stream."""
+    if ptr == 0:
+        return cp.cuda.Stream.null
+    from_external = getattr(cp.cuda.Stream, "from_external", None)  # CuPy 14
+    if from_external is not None:
+        return from_external(_Handle(ptr))
+    return cp.cuda.ExternalStream(ptr)  # before CuPy 14 (deprecated there)
+
+
 def _slots(plan):
     """Per launch of ``plan``: (function, grid, an Args struct of its own, the address of
     a one-entry kernel-parameter array pointing at that struct, the array). cuLaunchKernel
@@ -1466,13 +1489,30 @@ class CupyBackend(Backend):
                                      stream)
         else:
             cp = self._cp
-            if stream == 0 and cp.cuda.get_current_stream(dev).ptr != 0:
-                with cp.cuda.Stream.null:  # the pool orders reuse by its allocation stream
+            if stream != cp.cuda.get_current_stream(dev).ptr:
+                # Not CuPy's current stream (a generic CUDA array's): the pool orders
+                # reuse by the stream current at allocation, so make ours current.
+                with _cupy_stream(cp, stream):
                     buf = cp.empty(plan.scratch, dtype=plan.acc)
             else:
                 buf = cp.empty(plan.scratch, dtype=plan.acc)
             ptr = buf.data.ptr
         return buf, ptr
+
+    def _streams(self, call, dev):
+        """The launch stream of a call (``launch_streams``), made to wait for the other
+        streams its generic CUDA arrays name: an event recorded on each, no host wait."""
+        stream, waits = launch_streams(call.kind, dev, call.infos)
+        if waits:
+            runtime = self._cp.cuda.runtime
+            for w in waits:
+                event = runtime.eventCreateWithFlags(runtime.eventDisableTiming)
+                try:
+                    runtime.eventRecord(event, w)
+                    runtime.streamWaitEvent(stream, event)
+                finally:
+                    runtime.eventDestroy(event)  # released once the wait is done with it
+        return stream
 
     def _enter(self, device):
         """(cupy, the device to run on, the device to restore afterwards or None)."""
@@ -1508,9 +1548,9 @@ class CupyBackend(Backend):
         self._on_device(p.device, self._run, p)
 
     def _run(self, dev, p):
-        self._launch(dev, self._plan_of(dev, p), p.kind, p.out_info.ptr,
-                     0 if p.gamma_info is None else p.gamma_info.ptr, p.mu_info.ptr,
-                     0 if p.c_info is None else p.c_info.ptr, p.c_value)
+        self._launch(dev, self._plan_of(dev, p), p.kind, self._streams(p, dev),
+                     p.out_info.ptr, 0 if p.gamma_info is None else p.gamma_info.ptr,
+                     p.mu_info.ptr, 0 if p.c_info is None else p.c_info.ptr, p.c_value)
 
     def _cached(self, key, make, *args):
         """The plan cached under ``key``, made by make(*args) the first time."""
@@ -1525,11 +1565,10 @@ class CupyBackend(Backend):
     def _plan_of(self, dev, p):
         return self._cached((dev, p.layout_key()), self._plan, p, dev)  # all but addresses
 
-    def _launch(self, dev, plan, kind, optr, gptr, mptr, cptr, c_value):
-        """Launch a plan on ``dev`` (current) on the arrays' library's current stream:
-        the addresses of out, gamma, mu and c (0 for an absent gamma, which the kernels
-        test, and for a number c, which they then take from c_value)."""
-        stream = current_stream(kind, dev)
+    def _launch(self, dev, plan, kind, stream, optr, gptr, mptr, cptr, c_value):
+        """Launch a plan on ``dev`` (current) on ``stream`` (``_streams``): the addresses
+        of out, gamma, mu and c (0 for an absent gamma, which the kernels test, and for a
+        number c, which they then take from c_value)."""
         buf, s_ptr = self._scratch(kind, plan, dev, stream) if plan.scratch else (None, 0)
         _enqueue(self._cp.cuda.driver.launchKernel, _slots(plan), plan.t_offset, stream,
                  s_ptr, optr, gptr, mptr, cptr, c_value)
@@ -1595,7 +1634,7 @@ class CupyBackend(Backend):
                None if gg is None else (gg.dtype, gg.shape, gg.strides, gg.ptr & 15),
                None if gm is None else (gm.dtype, gm.shape, gm.strides))
         plan = self._cached(key, self._vjp_plan, a, dev)
-        stream = current_stream(a.kind, dev)
+        stream = self._streams(a, dev)
         buf, base = self._scratch(a.kind, plan, dev, stream) if plan.scratch else (None, 0)
         ptrs = _vjp_pointers(a, plan, base)
         launch_kernel = self._cp.cuda.driver.launchKernel

@@ -4,8 +4,9 @@ Owns the ``numba.cuda`` kernels below, their compilation (lazily, once per combi
 array dtypes, cached on disk by Numba), the launch sizes for one call (read off the
 device: multiprocessor count, threads per multiprocessor) and the launch itself
 on the arrays' device and on their library's current stream: torch's for torch tensors,
-CuPy's for CuPy arrays, the legacy default stream for other ``__cuda_array_interface__``
-objects. docs/numba_cuda.md explains the design in the thread's terms.
+CuPy's for CuPy arrays; for other ``__cuda_array_interface__`` objects the stream ``out``
+names, after the streams the inputs name (``convcov._arrays.launch_streams``).
+docs/numba_cuda.md explains the design in the thread's terms.
 
 The operation is memory-bound, so the kernels are built around the bytes SPEC section 5
 counts. With ``T[b, g, x0, y0, x1, y1]`` the channel sum over group ``g`` of
@@ -86,6 +87,7 @@ from .._arrays import (
     current_stream,
     diag_strides,
     host_view,
+    launch_streams,
     torch_scratch,
     vector_width,
 )
@@ -1413,6 +1415,25 @@ def _driver_stream(handle):
     return st
 
 
+def _launch_stream(call, dev_id):
+    """The driver's view of a call's launch stream (``launch_streams``), made to wait for
+    the other streams its generic CUDA arrays name: an event recorded on each, no host
+    wait. The raw handle too: (handle, stream)."""
+    handle, waits = launch_streams(call.kind, dev_id, call.infos)
+    stream = _driver_stream(handle)
+    drv = _driver()
+    for w in waits:
+        err, event = drv.cuEventCreate(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+        if err == drv.CUresult.CUDA_SUCCESS:
+            err, = drv.cuEventRecord(event, _driver_stream(w))
+            if err == drv.CUresult.CUDA_SUCCESS:
+                err, = drv.cuStreamWaitEvent(stream, event, 0)
+            drv.cuEventDestroy(event)  # released once the wait is done with it
+        if err != drv.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"numba_cuda: waiting for stream {w:#x} failed: {err!r}")
+    return handle, stream
+
+
 def _workspace(kind, dev, n, acc, stream):
     """Scratch for S and T, ``n`` elements of ``acc`` on device ``dev``, from the arrays'
     own library, ordered on the launch stream (raw handle ``stream``): (owner, address);
@@ -1706,12 +1727,11 @@ def _plan(p, dev_id):
     return plan
 
 
-def _launch_plan(plan, kind, dev_id, acc, optr, gptr, mptr, cptr, c_value):
-    """Launch a plan on the current stream of the arrays' library on ``dev_id`` (its
-    context current): addresses of out, gamma, mu and c (0 for an absent gamma or a
-    number c), and c_value, the number c. Scratch from the library."""
-    handle = current_stream(kind, dev_id)
-    stream = _driver_stream(handle)
+def _launch_plan(plan, kind, handle, stream, dev_id, acc, optr, gptr, mptr, cptr, c_value):
+    """Launch a plan on ``stream`` (raw ``handle``: the arrays' library's current stream
+    for torch and CuPy, ``_launch_stream`` for any call) on ``dev_id`` (its context
+    current): addresses of out, gamma, mu and c (0 for an absent gamma or a number c), and
+    c_value, the number c. Scratch from the library."""
     buf, sptr, tptr = None, 0, 0
     if plan.scratch:
         buf, sptr = _workspace(kind, dev_id, plan.scratch, acc, handle)
@@ -1794,9 +1814,9 @@ class NumbaCudaBackend(Backend):
             for launch in plan.launches:
                 launch(None, values)
             return
-        _launch_plan(plan, p.kind, p.device[1], p.acc, p.out_info.ptr,
-                     0 if p.gamma is None else p.gamma_info.ptr, p.mu_info.ptr,
-                     0 if p.c is None else p.c_info.ptr, p.c_value)
+        _launch_plan(plan, p.kind, *_launch_stream(p, dev_id), dev_id, p.acc,
+                     p.out_info.ptr, 0 if p.gamma is None else p.gamma_info.ptr,
+                     p.mu_info.ptr, 0 if p.c is None else p.c_info.ptr, p.c_value)
 
     def bind(self, p):
         """The launcher of p's signature for the front end's fast path (Backend.bind): the
@@ -1817,11 +1837,14 @@ class NumbaCudaBackend(Backend):
             # compared itself: a cheaper test (torch's current device and a per-thread
             # "ready" set, 2026-11-30) failed on the H200 x2, where a thread that had
             # launched was later left with no context current (CUDA_ERROR_INVALID_CONTEXT).
+            handle = current_stream("torch", dev_id)
+            args = (plan, "torch", handle, _driver_stream(handle), dev_id, acc, optr, gptr,
+                    mptr, cptr, c_value)
             if _current_context() == ctx:
-                _launch_plan(plan, "torch", dev_id, acc, optr, gptr, mptr, cptr, c_value)
+                _launch_plan(*args)
                 return
             with cuda.gpus[dev_id]:
-                _launch_plan(plan, "torch", dev_id, acc, optr, gptr, mptr, cptr, c_value)
+                _launch_plan(*args)
 
         return run
 
@@ -1846,7 +1869,7 @@ class NumbaCudaBackend(Backend):
         acc = a.acc
         zero = np.dtype(acc).type(0) if SIM else 0.0
         lim = _device_limits(dev_id)
-        stream = None if SIM else _driver_stream(current_stream(a.kind, a.device[1]))
+        stream = None if SIM else _launch_stream(a, dev_id)[1]
         G, Cg, HW = a.G, a.Ci // a.G, a.H * a.W
         geo = (a.B, G, Cg, 0, a.H, a.W, a.Ho, a.Wo, a.kh, a.kw,
                a.sh, a.sw, a.ph, a.pw, a.dh, a.dw)

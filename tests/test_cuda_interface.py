@@ -1,0 +1,154 @@
+"""Generic CUDA arrays (``__cuda_array_interface__`` v3 producers other than torch and CuPy,
+numba device arrays among them), on every CUDA backend: the streams they name and the
+device they live on.
+
+The arrays are CuPy's memory seen through a wrapper that exports only the interface, so a
+test can say which stream the producer's pending work is on. Needs a GPU and CuPy; skips
+otherwise (the host-side choices are in test_dispatch.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import convcov
+from convcov import _arrays
+from kinds import has_cupy_gpu, to_f64
+
+if not has_cupy_gpu():
+    pytest.skip("needs CuPy and a CUDA device", allow_module_level=True)
+
+import cupy
+
+BACKENDS = [b.name for b in convcov.backends() if b.device == "cuda" and b.available]
+backend_names = pytest.mark.parametrize("backend", BACKENDS)
+
+#: A kernel that holds its stream for ``n`` clock cycles (20e6: about 10 ms on an H200):
+#: whatever is queued behind it on that stream runs late, so a consumer that does not wait
+#: for the stream reads the memory before it is written.
+_SPIN = r'''extern "C" __global__ void spin(long long n) {
+    long long t0 = clock64(); while (clock64() - t0 < n) {} }'''
+
+
+class Foreign:
+    """A CUDA array known only by its ``__cuda_array_interface__``, naming ``stream`` (a
+    raw handle, or None for "nothing pending")."""
+
+    def __init__(self, a, stream):
+        self.base = a  # keeps the memory alive
+        cai = dict(a.__cuda_array_interface__)
+        cai["stream"] = stream
+        self.__cuda_array_interface__ = cai
+
+
+def _problem(seed=3):
+    """A full-layout out with groups, stride and padding; its expected result (float64)."""
+    rng = np.random.default_rng(seed)
+    B, Ci, Co, H, W, G = 2, 4, 6, 9, 8, 2
+    conv = {"stride": (2, 1), "padding": (1, 1), "dilation": 1, "groups": G}
+    Ho, Wo = (H + 2 - 3) // 2 + 1, W
+    out = rng.standard_normal((B, Co, Ho, Wo, Co, Ho, Wo)).astype(np.float32)
+    gamma = rng.standard_normal((B, Ci, H, W, Ci, H, W)).astype(np.float32)
+    mu = rng.standard_normal((B, Ci, H, W)).astype(np.float32)
+    c = rng.standard_normal(Co).astype(np.float32)
+    want = to_f64(out).copy()
+    convcov.accumulate(want, to_f64(gamma), to_f64(mu), to_f64(c), 3, backend="numpy",
+                       **conv)
+    return out, gamma, mu, c, conv, want
+
+
+def _warm(backend, out, g, mu, c, conv):
+    """One call of this signature on copies, waited for: the plan is compiled and loaded,
+    so the calls under test launch at once, while the spin still holds its stream (a
+    first call's compilation would outlast the spin and hide a missing wait)."""
+    scratch = [Foreign(a.copy(), None) for a in (out, g, mu, c)]
+    convcov.accumulate(*scratch, 3, backend=backend, **conv)
+    cupy.cuda.Device().synchronize()
+
+
+def _filled_late(a):
+    """Zero ``a``, then give it back its values on a new non-blocking stream, behind a
+    spin; that stream."""
+    src = a.copy()
+    a.fill(0)
+    cupy.cuda.Device().synchronize()
+    side = cupy.cuda.Stream(non_blocking=True)
+    with side:
+        cupy.RawKernel(_SPIN, "spin")((1,), (1,), (np.int64(20_000_000),))
+        a[...] = src
+    return side
+
+
+def _close(got, want):
+    np.testing.assert_allclose(to_f64(cupy.asnumpy(got)), want, rtol=2e-5,
+                               atol=2e-5 * np.abs(want).max())
+
+
+@backend_names
+def test_launches_on_the_stream_out_names(backend):
+    """out is filled on a non-blocking stream behind a spin, and its interface names that
+    stream: the call must queue behind the fill, and a copy queued on that stream after
+    the call must see the result. On the legacy default stream (which does not wait for
+    non-blocking streams) it would read out before the fill."""
+    out_h, gamma_h, mu_h, c_h, conv, want = _problem()
+    out, g, mu, c = (cupy.asarray(a) for a in (out_h, gamma_h, mu_h, c_h))
+    _warm(backend, out, g, mu, c, conv)
+    side = _filled_late(out)
+    # CuPy's current stream is the null stream here: only the interface names `side`.
+    convcov.accumulate(*(Foreign(a, side.ptr) for a in (out, g, mu, c)), 3, backend=backend,
+                       **conv)
+    with side:
+        got = out.copy()
+    side.synchronize()
+    _close(got, want)
+
+
+@backend_names
+def test_waits_for_the_streams_inputs_name(backend):
+    """mu is written on a non-blocking stream behind a spin, and only mu's interface
+    names that stream; out names none (launch on the legacy default stream). The call
+    must wait for mu's stream (an event), not read mu before it is written."""
+    out_h, gamma_h, mu_h, c_h, conv, want = _problem(4)
+    out, g, mu, c = (cupy.asarray(a) for a in (out_h, gamma_h, mu_h, c_h))
+    _warm(backend, out, g, mu, c, conv)
+    side = _filled_late(mu)
+    convcov.accumulate(Foreign(out, None), Foreign(g, None), Foreign(mu, side.ptr),
+                       Foreign(c, None), 3, backend=backend, **conv)
+    cupy.cuda.Device().synchronize()
+    _close(out, want)
+
+
+@backend_names
+def test_device_of_an_array_that_names_none(backend):
+    """An interface carries no device: the driver's record of the address gives it
+    (``_arrays.pointer_device``), so such an array can be mixed with numba device arrays
+    (which record theirs) without a false "different devices" error."""
+    ncuda = pytest.importorskip("numba.cuda")
+    out_h, gamma_h, mu_h, c_h, conv, want = _problem(5)
+    dev = cupy.cuda.Device().id
+    out = cupy.asarray(out_h)
+    assert _arrays.info(Foreign(out, None), "out").device == ("cuda", dev)
+    with ncuda.gpus[dev]:
+        g, mu, c = (ncuda.to_device(a) for a in (gamma_h, mu_h, c_h))
+    convcov.accumulate(Foreign(out, None), g, mu, c, 3, backend=backend, **conv)
+    cupy.cuda.Device().synchronize()
+    _close(out, want)
+
+
+@backend_names
+def test_second_gpu_array_that_names_no_device(backend):
+    """Memory on the second GPU, seen through the interface alone, is computed there while
+    the first GPU is current."""
+    if cupy.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("one CUDA device")
+    out_h, gamma_h, mu_h, c_h, conv, want = _problem(6)
+    with cupy.cuda.Device(1):
+        out, g, mu, c = (cupy.asarray(a) for a in (out_h, gamma_h, mu_h, c_h))
+    assert _arrays.info(Foreign(out, None), "out").device == ("cuda", 1)
+    with cupy.cuda.Device(0):
+        convcov.accumulate(*(Foreign(a, None) for a in (out, g, mu, c)), 3, backend=backend,
+                           **conv)
+    with cupy.cuda.Device(1):
+        cupy.cuda.Device().synchronize()
+        _close(out, want)
