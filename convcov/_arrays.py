@@ -314,10 +314,13 @@ def zeros_like_kind(like, info_: ArrayInfo, shape: tuple, dtype: str):
             return cupy.zeros(shape, dtype=dtype)
     numba_cuda = sys.modules.get("numba.cuda")
     if numba_cuda is not None and hasattr(like, "gpu_data"):
-        # A numba device array: allocate on its device, zero it with a driver memset.
+        # A numba device array: allocate on its device, zero it with a driver memset. On
+        # mu's stream, if it has one: S then names that stream, so the launch goes there
+        # too (launch_streams) and S's interface tells a consumer what to wait for.
+        stream = getattr(like, "stream", 0)
         with numba_cuda.gpus[info_.device[1] or 0]:
-            out = numba_cuda.device_array(shape, dtype=dtype)
-            numba_cuda.driver.device_memset(out, 0, out.nbytes)
+            out = numba_cuda.device_array(shape, dtype=dtype, stream=stream)
+            numba_cuda.driver.device_memset(out, 0, out.nbytes, stream=stream)
         return out
     raise TypeError(
         f"patch_moment: cannot allocate a result like {type(like).__module__}."

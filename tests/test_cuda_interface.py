@@ -137,6 +137,28 @@ def test_device_of_an_array_that_names_none(backend):
 
 
 @backend_names
+def test_patch_moment_of_numba_arrays_on_a_stream(backend):
+    """S of numba device arrays made on a numba stream is allocated on that stream: its
+    interface names the stream, the launch goes there, and that stream's work is all a
+    consumer of S waits for."""
+    ncuda = pytest.importorskip("numba.cuda")
+    rng = np.random.default_rng(7)
+    gamma_h = rng.standard_normal((2, 4, 6, 5, 6, 5)).astype(np.float32)
+    mu_h = rng.standard_normal((2, 4, 6, 5)).astype(np.float32)
+    conv = {"stride": (2, 1), "padding": (1, 1), "groups": 2}
+    stream = ncuda.stream()
+    g, mu = ncuda.to_device(gamma_h, stream=stream), ncuda.to_device(mu_h, stream=stream)
+    S = convcov.patch_moment(g, mu, 3, backend=backend, **conv)
+    named = mu.__cuda_array_interface__["stream"]
+    assert named is not None and S.__cuda_array_interface__["stream"] == named
+    got = S.copy_to_host(stream=stream)
+    stream.synchronize()
+    want = convcov.patch_moment(gamma_h.astype(np.float64), mu_h.astype(np.float64), 3,
+                                backend="numpy", **conv)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@backend_names
 def test_second_gpu_array_that_names_no_device(backend):
     """Memory on the second GPU, seen through the interface alone, is computed there while
     the first GPU is current."""
