@@ -268,7 +268,7 @@ def normalise(out, gamma, mu, c, kernel_size, stride, padding, dilation, groups)
         out_arr, gamma_arr, mu_arr, c_arr, c_value, out_i, gamma_i, mu_i, c_i,
         len(out_i.shape) == 7, gamma_i is not None and len(gamma_i.shape) == 7,
         B, Ci, Co, G, H, W, Ho, Wo, kh, kw, sh, sw, ph, pw, dh, dw, acc,
-        mu_i.kind, mu_i.device,
+        mu_i.kind, _device_of(mu_i, (out_i, gamma_i, c_i)),
     )
 
 
@@ -348,10 +348,23 @@ def _check(out_i, gamma_i, mu_i, c_i, kernel_size, stride, padding, dilation, gr
 
 
 def _check_kinds(arrays):
-    """TypeError unless the (name, ArrayInfo) pairs are of one kind on one device."""
-    if len({(a.kind, a.device) for _, a in arrays}) > 1:
+    """TypeError unless the (name, ArrayInfo) pairs are of one kind on one device. A CUDA
+    array whose ordinal is unknown (a generic one the driver does not place, such as an
+    empty one with no address) goes with any ordinal."""
+    if (len({(a.kind, a.device[0]) for _, a in arrays}) > 1
+            or len({a.device[1] for _, a in arrays} - {None}) > 1):
         got = ", ".join(f"{n}: {a.kind} on {_device_str(a.device)}" for n, a in arrays)
         raise TypeError(f"all arrays must be of one kind on one device; got {got}")
+
+
+def _device_of(mu_i, others):
+    """The call's device: mu's, or, where mu's CUDA ordinal is unknown, the first other
+    array's known one (``_check_kinds`` has made sure there is at most one)."""
+    if mu_i.device[1] is None:
+        for a in others:
+            if a is not None and a.device[1] is not None:
+                return a.device
+    return mu_i.device
 
 
 def _spans(*infos):
@@ -836,9 +849,7 @@ def patch_moment_vjp(grad_S, mu, kernel_size, *, grad_gamma=None, grad_mu=None, 
     if grad_mu is not None:
         arrays.append(("grad_mu", _arrays.info(grad_mu, "grad_mu")))
     infos = dict(arrays)
-    if len({(a.kind, a.device) for _, a in arrays}) > 1:
-        got = ", ".join(f"{n}: {a.kind} on {_device_str(a.device)}" for n, a in arrays)
-        raise TypeError(f"all arrays must be of one kind on one device; got {got}")
+    _check_kinds(arrays)
     for n, a in arrays:
         _check_dtype(n, a)
     mu_i, S_i = infos["mu"], infos["grad_S"]
@@ -890,7 +901,7 @@ def patch_moment_vjp(grad_S, mu, kernel_size, *, grad_gamma=None, grad_mu=None, 
     a = Adjoint(views["grad_S"], views.get("grad_gamma"), views.get("grad_mu"), views["mu"],
                 S_i, gg_i, gm_i, mu_i, gg_i is not None and len(gg_i.shape) == 7,
                 B, Ci, G, H, W, Ho, Wo, kh, kw, sh, sw, ph, pw, dh, dw, acc,
-                mu_i.kind, mu_i.device)
+                mu_i.kind, _device_of(mu_i, (S_i, gg_i, gm_i)))
     if not a.empty:
         b.patch_moment_vjp(a)
 

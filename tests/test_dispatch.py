@@ -161,6 +161,23 @@ def test_cuda_array_stream_that_is_no_handle_refused(stream):
         convcov.accumulate(out, None, mu, 1.0, 3)
 
 
+def test_cuda_arrays_of_unknown_ordinal_go_with_any(fakes, monkeypatch):
+    """A generic CUDA array the driver does not place (ordinal None: an empty one has no
+    address) goes with arrays on a known device, and the call runs there; two known
+    ordinals that differ are refused."""
+    places = {0x10000000: 1, 0x20000000: None, 0x30000000: 0}
+    monkeypatch.setattr(_arrays, "pointer_device", places.get)
+    out = FakeCudaArray((1, 2, 2, 2, 2, 2, 2), ptr=0x10000000)  # on device 1
+    mu = FakeCudaArray((1, 2, 4, 4), ptr=0x20000000)  # unknown
+    convcov.accumulate(out, None, mu, 2.0, 3, backend="fake_cuda")
+    (p,) = fakes["fake_cuda"].calls
+    assert p.mu_info.device == ("cuda", None) and p.device == ("cuda", 1)
+    c = FakeCudaArray((2,), ptr=0x30000000)  # on device 0
+    with pytest.raises(TypeError, match="one device; got out: cai on cuda:1, mu: cai on "
+                                        "cuda, c: cai on cuda:0"):
+        convcov.accumulate(out, None, mu, c, 3, backend="fake_cuda")
+
+
 def test_pointer_device_without_a_cuda_driver():
     """Where no CUDA driver is loaded (or it does not know the address), a generic CUDA
     array's device stays unknown: nothing loads or initialises CUDA for it."""
