@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import math
+import operator
 import os
 import sys
 import threading
@@ -148,12 +149,20 @@ def info(x, name: str) -> ArrayInfo:
             strides = tuple(reversed(strides))
         ptr, readonly = cai["data"]
         stream = cai.get("stream")
-        if stream is not None and (type(stream) is not int or stream < 0):
-            # CAI v3: None, or a stream handle (1: the legacy default stream, 2: the
-            # per-thread default stream). A producer's stream is waited for, never
-            # guessed: what cannot be a handle is refused.
-            raise TypeError(f"{name}: __cuda_array_interface__['stream'] must be None or "
-                            f"a non-negative int stream handle; got {stream!r}")
+        if stream is not None:
+            # CAI v3: None, or an integer stream handle (1: the legacy default stream, 2:
+            # the per-thread default stream; NumPy integers count). A producer's stream
+            # is waited for, never guessed: what cannot be a handle is refused.
+            try:
+                if isinstance(stream, (bool, np.bool_)):
+                    raise TypeError
+                stream = operator.index(stream)
+                if stream < 0:
+                    raise TypeError
+            except TypeError:
+                raise TypeError(f"{name}: __cuda_array_interface__['stream'] must be None "
+                                f"or a non-negative integer stream handle; got {stream!r}"
+                                ) from None
         return ArrayInfo("cai", ("cuda", _cai_device(x, ptr)), dtype, shape,
                          _elem_strides(strides, itemsize), ptr, bool(readonly), stream)
     raise TypeError(
@@ -163,18 +172,20 @@ def info(x, name: str) -> ArrayInfo:
 
 
 def _cai_device(x, ptr) -> int | None:
-    """Device ordinal of a generic CUDA array (numba device arrays and the like): numba's
-    own record, else the driver's (``pointer_device``); None when neither knows."""
-    numba_cuda = sys.modules.get("numba.cuda")
-    if numba_cuda is not None and hasattr(x, "gpu_data"):
+    """Device ordinal of a generic CUDA array (numba device arrays and the like): the
+    driver's (``pointer_device``), else numba's own record; None when neither knows.
+    (The driver first: numba records the context current when an array was made, and a
+    wrapper of another device's memory, ``cuda.as_cuda_array``, records the wrong one.)"""
+    device = pointer_device(ptr)
+    if device is None and hasattr(x, "gpu_data") and sys.modules.get("numba.cuda"):
         try:
             return x.gpu_data.context.device.id  # numba DeviceNDArray
         except AttributeError:
             pass
-    return pointer_device(ptr)
+    return device
 
 
-_cuPointerGetAttribute = None  # the driver's function, or False where it is not loaded
+_cuPointerGetAttribute = None  # the driver's function, once it is loaded
 _CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9
 
 
@@ -187,19 +198,18 @@ def pointer_device(ptr: int) -> int | None:
     never loads or initialises CUDA itself. Without this, an array whose producer records
     no device would be computed on the current device, wherever it lives."""
     global _cuPointerGetAttribute
+    if not ptr:  # no address (an empty array): nothing to ask
+        return None
     fn = _cuPointerGetAttribute
     if fn is None:
-        fn = False
         try:
             lib = ctypes.CDLL("libcuda.so.1", mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
             fn = lib.cuPointerGetAttribute
-            fn.argtypes = (ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64)
-            fn.restype = ctypes.c_int
-        except (OSError, AttributeError):  # no driver loaded (or not Linux)
-            fn = False
+        except (OSError, AttributeError):  # not loaded (yet: asked again next time)
+            return None
+        fn.argtypes = (ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64)
+        fn.restype = ctypes.c_int
         _cuPointerGetAttribute = fn
-    if fn is False or not ptr:
-        return None
     ordinal = ctypes.c_int(-1)
     if fn(ctypes.byref(ordinal), _CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr) != 0:
         return None  # CUDA_ERROR_NOT_INITIALIZED, or not a device address

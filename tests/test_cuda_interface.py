@@ -31,6 +31,26 @@ _SPIN = r'''extern "C" __global__ void spin(long long n) {
     long long t0 = clock64(); while (clock64() - t0 < n) {} }'''
 
 
+@pytest.fixture(params=["direct", "three"])
+def path(request, monkeypatch):
+    """Force, in both CUDA backends, one launch with no scratch memory (``direct``) or
+    three launches with T and S in scratch memory (``three``)."""
+    from convcov import _frontend, _registry
+    from convcov.backends import cupy as cupy_mod
+    from convcov.backends import numba_cuda as numba_cuda_mod
+
+    direct = request.param == "direct"
+    monkeypatch.setattr(cupy_mod, "_DIRECT_TERMS", 1 << 62 if direct else -1)
+    monkeypatch.setattr(cupy_mod, "_DIRECT_RATIO", 1 << 62 if direct else 0)
+    monkeypatch.setattr(numba_cuda_mod, "DIRECT_TERMS", 1 << 62 if direct else -1)
+    monkeypatch.setattr(numba_cuda_mod, "DIRECT_RATIO", 1 << 62 if direct else -1)
+    # plans and bound launchers remember the path chosen
+    monkeypatch.setattr(_registry.get("cupy"), "_plans", {})
+    monkeypatch.setattr(numba_cuda_mod, "_plans", {})
+    monkeypatch.setattr(_frontend, "_bound", {})
+    return request.param
+
+
 class Foreign:
     """A CUDA array known only by its ``__cuda_array_interface__``, naming ``stream`` (a
     raw handle, or None for "nothing pending")."""
@@ -86,7 +106,7 @@ def _close(got, want):
 
 
 @backend_names
-def test_launches_on_the_stream_out_names(backend):
+def test_launches_on_the_stream_out_names(backend, path):
     """out is filled on a non-blocking stream behind a spin, and its interface names that
     stream: the call must queue behind the fill, and a copy queued on that stream after
     the call must see the result. On the legacy default stream (which does not wait for
@@ -105,7 +125,7 @@ def test_launches_on_the_stream_out_names(backend):
 
 
 @backend_names
-def test_waits_for_the_streams_inputs_name(backend):
+def test_waits_for_the_streams_inputs_name(backend, path):
     """mu is written on a non-blocking stream behind a spin, and only mu's interface
     names that stream; out names none (launch on the legacy default stream). The call
     must wait for mu's stream (an event), not read mu before it is written."""
@@ -142,24 +162,73 @@ def test_device_of_an_array_that_names_none(backend):
 
 @backend_names
 def test_patch_moment_of_numba_arrays_on_a_stream(backend):
-    """S of numba device arrays made on a numba stream is allocated on that stream: its
-    interface names the stream, the launch goes there, and that stream's work is all a
-    consumer of S waits for."""
+    """S of numba device arrays that live on a non-blocking stream (copied there behind a
+    spin) is allocated on that stream: its interface names the stream, the launch goes
+    there after the copies, and a copy queued there next sees S."""
     ncuda = pytest.importorskip("numba.cuda")
     rng = np.random.default_rng(7)
     gamma_h = rng.standard_normal((2, 4, 6, 5, 6, 5)).astype(np.float32)
     mu_h = rng.standard_normal((2, 4, 6, 5)).astype(np.float32)
     conv = {"stride": (2, 1), "padding": (1, 1), "groups": 2}
-    stream = ncuda.stream()
-    g, mu = ncuda.to_device(gamma_h, stream=stream), ncuda.to_device(mu_h, stream=stream)
-    S = convcov.patch_moment(g, mu, 3, backend=backend, **conv)
-    named = mu.__cuda_array_interface__["stream"]
-    assert named is not None and S.__cuda_array_interface__["stream"] == named
-    got = S.copy_to_host(stream=stream)
-    stream.synchronize()
     want = convcov.patch_moment(gamma_h.astype(np.float64), mu_h.astype(np.float64), 3,
                                 backend="numpy", **conv)
+    convcov.patch_moment(ncuda.to_device(gamma_h), ncuda.to_device(mu_h), 3,
+                         backend=backend, **conv)  # warm: compiled and loaded
+    cupy.cuda.Device().synchronize()
+    side = cupy.cuda.Stream(non_blocking=True)
+    stream = ncuda.external_stream(side.ptr)
+    with side:
+        cupy.RawKernel(_SPIN, "spin")((1,), (1,), (np.int64(20_000_000),))
+    g, mu = ncuda.to_device(gamma_h, stream=stream), ncuda.to_device(mu_h, stream=stream)
+    S = convcov.patch_moment(g, mu, 3, backend=backend, **conv)
+    assert S.__cuda_array_interface__["stream"] == side.ptr
+    got = S.copy_to_host(stream=stream)
+    side.synchronize()
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@backend_names
+def test_a_stream_being_captured_is_refused(backend, path):
+    """A CUDA graph would outlive the call's scratch memory: a call whose arrays name a
+    stream being captured is refused, before anything is queued."""
+    out_h, gamma_h, mu_h, c_h, conv, _ = _problem(8)
+    out, g, mu, c = (cupy.asarray(a) for a in (out_h, gamma_h, mu_h, c_h))
+    _warm(backend, out, g, mu, c, conv)
+    side = cupy.cuda.Stream(non_blocking=True)
+    with side:
+        side.begin_capture()
+        try:
+            with pytest.raises(convcov.BackendError, match="being captured into a CUDA graph"):
+                convcov.accumulate(*(Foreign(a, side.ptr) for a in (out, g, mu, c)), 3,
+                                   backend=backend, **conv)
+        finally:
+            graph = side.end_capture()
+    del graph
+    np.testing.assert_array_equal(cupy.asnumpy(out), out_h)
+
+
+@pytest.mark.parametrize("path", ["three"], indirect=True)
+def test_cupy_scratch_comes_from_one_pool_arena(path):
+    """Calls on generic CUDA arrays that name a new stream each time take the cupy
+    backend's scratch from the arena of CuPy's current stream (ordered by events), so
+    CuPy's pool does not grow by one arena per stream."""
+    if "cupy" not in BACKENDS:
+        pytest.skip("the cupy backend is not available")
+    out_h, gamma_h, mu_h, c_h, conv, _ = _problem(9)
+    out, g, mu, c = (cupy.asarray(a) for a in (out_h, gamma_h, mu_h, c_h))
+    _warm("cupy", out, g, mu, c, conv)
+    from convcov.backends import cupy as cupy_mod
+
+    assert all(plan.scratch for plan in cupy_mod.backend._plans.values())  # T and S
+    pool = cupy.get_default_memory_pool()
+    before = pool.total_bytes()
+    streams = []
+    for _ in range(6):
+        streams.append(cupy.cuda.Stream(non_blocking=True))
+        convcov.accumulate(*(Foreign(a, streams[-1].ptr) for a in (out, g, mu, c)), 3,
+                           backend="cupy", **conv)
+    cupy.cuda.Device().synchronize()
+    assert pool.total_bytes() == before
 
 
 @backend_names

@@ -153,7 +153,19 @@ def test_generic_cuda_arrays_name_their_streams(fakes):
     assert launch_streams("cai", None, infos("absent", 3, 4)) == (3, (4,))  # grad_gamma absent
 
 
-@pytest.mark.parametrize("stream", ["1", 1.0, True, -1])
+def test_cuda_array_stream_handles_of_integer_types():
+    """CAI v3 says "an integer": NumPy integers and IntEnum members are handles too."""
+    import enum
+
+    class Handle(enum.IntEnum):
+        side = 0x5000
+
+    for stream in (np.int64(0x5000), np.uintp(0x5000), Handle.side):
+        a = _arrays.info(FakeCudaArray((1,), stream=stream), "x")
+        assert a.stream == 0x5000 and type(a.stream) is int
+
+
+@pytest.mark.parametrize("stream", ["1", 1.0, True, np.bool_(True), -1])
 def test_cuda_array_stream_that_is_no_handle_refused(stream):
     out = FakeCudaArray((1, 2, 2, 2, 2, 2, 2), ptr=0x10000000)
     mu = FakeCudaArray((1, 2, 4, 4), ptr=0x20000000, stream=stream)
@@ -178,12 +190,20 @@ def test_cuda_arrays_of_unknown_ordinal_go_with_any(fakes, monkeypatch):
         convcov.accumulate(out, None, mu, c, 3, backend="fake_cuda")
 
 
-def test_pointer_device_without_a_cuda_driver():
-    """Where no CUDA driver is loaded (or it does not know the address), a generic CUDA
-    array's device stays unknown: nothing loads or initialises CUDA for it."""
-    assert _arrays.pointer_device(0) is None
-    if _arrays.pointer_device(0x10000000) is None:
-        assert _arrays.info(FakeCudaArray((1,), ptr=0x10000000), "x").device == ("cuda", None)
+def _libcuda_loaded() -> bool:
+    with open("/proc/self/maps") as maps:
+        return "libcuda.so" in maps.read()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+def test_pointer_device_never_loads_the_driver():
+    """Where no CUDA driver is loaded, a generic CUDA array's device stays unknown, the
+    driver stays unloaded, and nothing is remembered: a driver loaded later is used."""
+    if _libcuda_loaded():
+        pytest.skip("a CUDA driver is loaded in this process")
+    assert _arrays.pointer_device(0x10000000) is None
+    assert _arrays.info(FakeCudaArray((1,), ptr=0x10000000), "x").device == ("cuda", None)
+    assert not _libcuda_loaded() and _arrays._cuPointerGetAttribute is None
 
 
 def test_cuda_arrays_without_gpu_backend_give_clear_error(monkeypatch):

@@ -59,6 +59,7 @@ import threading
 
 from .._arrays import (KEEP_SCRATCH, contiguous, diag_strides, kept_torch_scratch,
                        launch_streams, torch_scratch, torch_stream_getter, vector_width)
+from .._errors import BackendError
 from .._registry import Backend
 
 #: Dtype names -> (code used by the kernels' run-time typed loads, C++ storage type, bytes).
@@ -1160,26 +1161,21 @@ def _write(args, optr, gptr, mptr, cptr, t_ptr, s_ptr, c_bits):
     return args
 
 
-class _Handle:
-    """A raw stream handle in the CUDA stream protocol (``__cuda_stream__``)."""
-
-    __slots__ = ("ptr",)
-
-    def __init__(self, ptr):
-        self.ptr = ptr
-
-    def __cuda_stream__(self):
-        return (0, self.ptr)
+#: Why a call on generic CUDA arrays refuses a stream that is being captured.
+_CAPTURED = ("cupy: the stream these CUDA arrays name is being captured into a CUDA graph; "
+             "convcov's scratch memory for them would not outlive the call (capture with "
+             "torch tensors, whose scratch comes from the graph's own pool)")
 
 
-def _cupy_stream(cp, ptr):
-    """A CuPy stream object for a raw handle, to make it CuPy's current stream."""
-    if ptr == 0:
-        return cp.cuda.Stream.null
-    from_external = getattr(cp.cuda.Stream, "from_external", None)  # CuPy 14
-    if from_external is not None:
-        return from_external(_Handle(ptr))
-    return cp.cuda.ExternalStream(ptr)  # before CuPy 14 (deprecated there)
+def _wait(runtime, stream, other):
+    """Make ``stream`` wait for the work queued on ``other`` so far: an event recorded
+    there, no host wait."""
+    event = runtime.eventCreateWithFlags(runtime.eventDisableTiming)
+    try:
+        runtime.eventRecord(event, other)
+        runtime.streamWaitEvent(stream, event)
+    finally:
+        runtime.eventDestroy(event)  # released once the wait is done with it
 
 
 def _slots(plan):
@@ -1489,29 +1485,34 @@ class CupyBackend(Backend):
                                      stream)
         else:
             cp = self._cp
-            if stream != cp.cuda.get_current_stream(dev).ptr:
-                # Not CuPy's current stream (a generic CUDA array's): the pool orders
-                # reuse by the stream current at allocation, so make ours current.
-                with _cupy_stream(cp, stream):
-                    buf = cp.empty(plan.scratch, dtype=plan.acc)
-            else:
-                buf = cp.empty(plan.scratch, dtype=plan.acc)
+            buf = cp.empty(plan.scratch, dtype=plan.acc)
             ptr = buf.data.ptr
+            current = cp.cuda.get_current_stream(dev).ptr
+            if stream != current:
+                # Not CuPy's current stream (a generic CUDA array's). CuPy's pool orders a
+                # block's reuse by the stream current at allocation: the launch stream
+                # waits for that stream's earlier users of the block, and _release makes
+                # its later ones wait for our kernels. (Allocating under the launch
+                # stream instead would leave a pool arena behind for every stream.)
+                _wait(cp.cuda.runtime, stream, current)
+                buf = (buf, current)
         return buf, ptr
+
+    def _release(self, buf, stream):
+        """Give back _scratch's memory once the launches on ``stream`` are queued."""
+        if type(buf) is tuple:
+            _wait(self._cp.cuda.runtime, buf[1], stream)
 
     def _streams(self, call, dev):
         """The launch stream of a call (``launch_streams``), made to wait for the other
         streams its generic CUDA arrays name: an event recorded on each, no host wait."""
         stream, waits = launch_streams(call.kind, dev, call.infos)
-        if waits:
+        if call.kind == "cai":
             runtime = self._cp.cuda.runtime
+            if stream not in (0, 1) and runtime.streamIsCapturing(stream):
+                raise BackendError(_CAPTURED)
             for w in waits:
-                event = runtime.eventCreateWithFlags(runtime.eventDisableTiming)
-                try:
-                    runtime.eventRecord(event, w)
-                    runtime.streamWaitEvent(stream, event)
-                finally:
-                    runtime.eventDestroy(event)  # released once the wait is done with it
+                _wait(runtime, stream, w)
         return stream
 
     def _enter(self, device):
@@ -1572,6 +1573,7 @@ class CupyBackend(Backend):
         buf, s_ptr = self._scratch(kind, plan, dev, stream) if plan.scratch else (None, 0)
         _enqueue(self._cp.cuda.driver.launchKernel, _slots(plan), plan.t_offset, stream,
                  s_ptr, optr, gptr, mptr, cptr, c_value)
+        self._release(buf, stream)
         del buf  # back to its stream-ordered pool: reuse is ordered after our kernels
 
     def bind(self, p):
@@ -1643,6 +1645,7 @@ class CupyBackend(Backend):
             for slot, ptr in zip(_VJP_PTR_SLOTS, ptrs):
                 args[slot] = ptr
             _cu_launch(launch_kernel, ln, args, stream)
+        self._release(buf, stream)
         del buf  # back to its stream-ordered pool, behind our kernels
 
 

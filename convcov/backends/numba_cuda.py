@@ -91,6 +91,7 @@ from .._arrays import (
     torch_scratch,
     vector_width,
 )
+from .._errors import BackendError
 from .._registry import Backend
 from . import _pdl
 
@@ -1422,6 +1423,13 @@ def _launch_stream(call, dev_id):
     handle, waits = launch_streams(call.kind, dev_id, call.infos)
     stream = _driver_stream(handle)
     drv = _driver()
+    if call.kind == "cai" and handle not in (0, 1):
+        err, status = drv.cuStreamIsCapturing(stream)
+        if status != drv.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE:
+            raise BackendError(
+                "numba_cuda: the stream these CUDA arrays name is being captured into a "
+                "CUDA graph; convcov's scratch memory for them would not outlive the call "
+                "(capture with torch tensors, whose scratch comes from the graph's own pool)")
     for w in waits:
         err, event = drv.cuEventCreate(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING)
         if err == drv.CUresult.CUDA_SUCCESS:
