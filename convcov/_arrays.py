@@ -479,16 +479,19 @@ def torch_stream_getter():
 
 def current_stream(kind: str, dev) -> int:
     """Raw handle of the current stream of the arrays' library on device ``dev``: torch's
-    for torch tensors, CuPy's for CuPy arrays; the legacy default stream (0) otherwise
-    (``launch_streams`` has what generic CUDA arrays name)."""
+    for torch tensors, CuPy's for CuPy arrays (``launch_streams`` has the stream of any
+    call)."""
     if kind == "torch":
         return (_torch_stream or torch_stream_getter())(dev)
-    if kind == "cupy":
-        return sys.modules["cupy"].cuda.get_current_stream(-1 if dev is None else dev).ptr
-    return 0
+    return sys.modules["cupy"].cuda.get_current_stream(-1 if dev is None else dev).ptr
 
 
 _LEGACY = (0, 1)  # handles of the legacy default stream: the null handle and CU_STREAM_LEGACY
+
+#: Why a GPU backend refuses generic CUDA arrays whose launch stream is being captured.
+CAPTURED = ("the stream these CUDA arrays name is being captured into a CUDA graph; "
+            "convcov's scratch memory for them would not outlive the call (capture with "
+            "torch tensors, whose scratch comes from the graph's own pool)")
 
 
 def launch_streams(kind: str, dev, infos) -> tuple[int, tuple]:

@@ -54,10 +54,11 @@ backend is used (``import convcov`` stays GPU-free).
 from __future__ import annotations
 
 import array
+import contextlib
 import struct
 import threading
 
-from .._arrays import (KEEP_SCRATCH, contiguous, diag_strides, kept_torch_scratch,
+from .._arrays import (CAPTURED, KEEP_SCRATCH, contiguous, diag_strides, kept_torch_scratch,
                        launch_streams, torch_scratch, torch_stream_getter, vector_width)
 from .._errors import BackendError
 from .._registry import Backend
@@ -1161,12 +1162,6 @@ def _write(args, optr, gptr, mptr, cptr, t_ptr, s_ptr, c_bits):
     return args
 
 
-#: Why a call on generic CUDA arrays refuses a stream that is being captured.
-_CAPTURED = ("cupy: the stream these CUDA arrays name is being captured into a CUDA graph; "
-             "convcov's scratch memory for them would not outlive the call (capture with "
-             "torch tensors, whose scratch comes from the graph's own pool)")
-
-
 def _wait(runtime, stream, other):
     """Make ``stream`` wait for the work queued on ``other`` so far: an event recorded
     there, no host wait."""
@@ -1473,35 +1468,38 @@ class CupyBackend(Backend):
                         H * H + W * W if gm is not None else 0, acc)
 
     # ------------------------------------------------------------ the call
+    @contextlib.contextmanager
     def _scratch(self, kind, plan, dev, stream):
-        """The plan's scratch (S and T; D and the link tables for the backward) in one
-        buffer of ``plan.scratch`` accumulation-type elements, allocated stream-ordered on
-        the launch stream from the arrays' library (torch's caching allocator for torch
-        tensors, ``convcov._arrays.torch_scratch``): freed right after the launches, the
-        memory is only reused by work queued behind them, and a CUDA-graph capture sees
-        no foreign allocation."""
-        if kind == "torch":
+        """The address of the plan's scratch (S and T; D and the link tables for the
+        backward: ``plan.scratch`` accumulation-type elements; 0 when it has none) for the
+        launches queued on ``stream`` inside the block. Allocated stream-ordered from the
+        arrays' library (torch's caching allocator for torch tensors,
+        ``convcov._arrays.torch_scratch``) and freed when the block ends: the memory is
+        only reused by work queued behind the launches, and a CUDA-graph capture sees no
+        foreign allocation."""
+        if not plan.scratch:
+            yield 0
+        elif kind == "torch":
             buf, ptr = torch_scratch(plan.scratch * (8 if plan.acc == "float64" else 4), dev,
                                      stream)
+            yield ptr
         else:
             cp = self._cp
             buf = cp.empty(plan.scratch, dtype=plan.acc)
-            ptr = buf.data.ptr
             current = cp.cuda.get_current_stream(dev).ptr
-            if stream != current:
-                # Not CuPy's current stream (a generic CUDA array's). CuPy's pool orders a
-                # block's reuse by the stream current at allocation: the launch stream
-                # waits for that stream's earlier users of the block, and _release makes
-                # its later ones wait for our kernels. (Allocating under the launch
-                # stream instead would leave a pool arena behind for every stream.)
-                _wait(cp.cuda.runtime, stream, current)
-                buf = (buf, current)
-        return buf, ptr
-
-    def _release(self, buf, stream):
-        """Give back _scratch's memory once the launches on ``stream`` are queued."""
-        if type(buf) is tuple:
-            _wait(self._cp.cuda.runtime, buf[1], stream)
+            if stream == current:
+                yield buf.data.ptr
+                return
+            # Not CuPy's current stream (a generic CUDA array's). CuPy's pool orders a
+            # block's reuse by the stream current at allocation: the launch stream waits
+            # for that stream's earlier users of the block, and that stream for our
+            # kernels. (Allocating under the launch stream instead would leave a pool
+            # arena behind for every stream.)
+            _wait(cp.cuda.runtime, stream, current)
+            try:
+                yield buf.data.ptr
+            finally:
+                _wait(cp.cuda.runtime, current, stream)
 
     def _streams(self, call, dev):
         """The launch stream of a call (``launch_streams``), made to wait for the other
@@ -1510,7 +1508,7 @@ class CupyBackend(Backend):
         if call.kind == "cai":
             runtime = self._cp.cuda.runtime
             if stream not in (0, 1) and runtime.streamIsCapturing(stream):
-                raise BackendError(_CAPTURED)
+                raise BackendError(f"cupy: {CAPTURED}")
             for w in waits:
                 _wait(runtime, stream, w)
         return stream
@@ -1570,11 +1568,9 @@ class CupyBackend(Backend):
         """Launch a plan on ``dev`` (current) on ``stream`` (``_streams``): the addresses
         of out, gamma, mu and c (0 for an absent gamma, which the kernels test, and for a
         number c, which they then take from c_value)."""
-        buf, s_ptr = self._scratch(kind, plan, dev, stream) if plan.scratch else (None, 0)
-        _enqueue(self._cp.cuda.driver.launchKernel, _slots(plan), plan.t_offset, stream,
-                 s_ptr, optr, gptr, mptr, cptr, c_value)
-        self._release(buf, stream)
-        del buf  # back to its stream-ordered pool: reuse is ordered after our kernels
+        with self._scratch(kind, plan, dev, stream) as s_ptr:
+            _enqueue(self._cp.cuda.driver.launchKernel, _slots(plan), plan.t_offset, stream,
+                     s_ptr, optr, gptr, mptr, cptr, c_value)
 
     def bind(self, p):
         """The launcher of p's signature for the front end's fast path (Backend.bind): the
@@ -1637,16 +1633,14 @@ class CupyBackend(Backend):
                None if gm is None else (gm.dtype, gm.shape, gm.strides))
         plan = self._cached(key, self._vjp_plan, a, dev)
         stream = self._streams(a, dev)
-        buf, base = self._scratch(a.kind, plan, dev, stream) if plan.scratch else (None, 0)
-        ptrs = _vjp_pointers(a, plan, base)
         launch_kernel = self._cp.cuda.driver.launchKernel
-        for ln in plan.launches:
-            args = ln.args[:]
-            for slot, ptr in zip(_VJP_PTR_SLOTS, ptrs):
-                args[slot] = ptr
-            _cu_launch(launch_kernel, ln, args, stream)
-        self._release(buf, stream)
-        del buf  # back to its stream-ordered pool, behind our kernels
+        with self._scratch(a.kind, plan, dev, stream) as base:
+            ptrs = _vjp_pointers(a, plan, base)
+            for ln in plan.launches:
+                args = ln.args[:]
+                for slot, ptr in zip(_VJP_PTR_SLOTS, ptrs):
+                    args[slot] = ptr
+                _cu_launch(launch_kernel, ln, args, stream)
 
 
 backend = CupyBackend()

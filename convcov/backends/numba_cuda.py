@@ -82,6 +82,7 @@ import threading
 import numpy as np
 
 from .._arrays import (
+    CAPTURED,
     ITEMSIZE,
     contiguous,
     current_stream,
@@ -1417,19 +1418,16 @@ def _driver_stream(handle):
 
 
 def _launch_stream(call, dev_id):
-    """The driver's view of a call's launch stream (``launch_streams``), made to wait for
-    the other streams its generic CUDA arrays name: an event recorded on each, no host
-    wait. The raw handle too: (handle, stream)."""
+    """The raw handle of a call's launch stream (``launch_streams``), made to wait for the
+    other streams its generic CUDA arrays name: an event recorded on each, no host
+    wait."""
     handle, waits = launch_streams(call.kind, dev_id, call.infos)
     stream = _driver_stream(handle)
     drv = _driver()
     if call.kind == "cai" and handle not in (0, 1):
         err, status = drv.cuStreamIsCapturing(stream)
         if status != drv.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE:
-            raise BackendError(
-                "numba_cuda: the stream these CUDA arrays name is being captured into a "
-                "CUDA graph; convcov's scratch memory for them would not outlive the call "
-                "(capture with torch tensors, whose scratch comes from the graph's own pool)")
+            raise BackendError(f"numba_cuda: {CAPTURED}")
     for w in waits:
         err, event = drv.cuEventCreate(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING)
         if err == drv.CUresult.CUDA_SUCCESS:
@@ -1439,7 +1437,7 @@ def _launch_stream(call, dev_id):
             drv.cuEventDestroy(event)  # released once the wait is done with it
         if err != drv.CUresult.CUDA_SUCCESS:
             raise RuntimeError(f"numba_cuda: waiting for stream {w:#x} failed: {err!r}")
-    return handle, stream
+    return handle
 
 
 def _workspace(kind, dev, n, acc, stream):
@@ -1735,11 +1733,12 @@ def _plan(p, dev_id):
     return plan
 
 
-def _launch_plan(plan, kind, handle, stream, dev_id, acc, optr, gptr, mptr, cptr, c_value):
-    """Launch a plan on ``stream`` (raw ``handle``: the arrays' library's current stream
-    for torch and CuPy, ``_launch_stream`` for any call) on ``dev_id`` (its context
-    current): addresses of out, gamma, mu and c (0 for an absent gamma or a number c), and
-    c_value, the number c. Scratch from the library."""
+def _launch_plan(plan, kind, handle, dev_id, acc, optr, gptr, mptr, cptr, c_value):
+    """Launch a plan on the stream of raw ``handle`` (the arrays' library's current stream
+    for torch, ``_launch_stream`` for any call) on ``dev_id`` (its context current):
+    addresses of out, gamma, mu and c (0 for an absent gamma or a number c), and c_value,
+    the number c. Scratch from the library."""
+    stream = _driver_stream(handle)
     buf, sptr, tptr = None, 0, 0
     if plan.scratch:
         buf, sptr = _workspace(kind, dev_id, plan.scratch, acc, handle)
@@ -1822,7 +1821,7 @@ class NumbaCudaBackend(Backend):
             for launch in plan.launches:
                 launch(None, values)
             return
-        _launch_plan(plan, p.kind, *_launch_stream(p, dev_id), dev_id, p.acc,
+        _launch_plan(plan, p.kind, _launch_stream(p, dev_id), dev_id, p.acc,
                      p.out_info.ptr, 0 if p.gamma is None else p.gamma_info.ptr,
                      p.mu_info.ptr, 0 if p.c is None else p.c_info.ptr, p.c_value)
 
@@ -1846,13 +1845,13 @@ class NumbaCudaBackend(Backend):
             # "ready" set, 2026-11-30) failed on the H200 x2, where a thread that had
             # launched was later left with no context current (CUDA_ERROR_INVALID_CONTEXT).
             handle = current_stream("torch", dev_id)
-            args = (plan, "torch", handle, _driver_stream(handle), dev_id, acc, optr, gptr,
-                    mptr, cptr, c_value)
             if _current_context() == ctx:
-                _launch_plan(*args)
+                _launch_plan(plan, "torch", handle, dev_id, acc, optr, gptr, mptr, cptr,
+                             c_value)
                 return
             with cuda.gpus[dev_id]:
-                _launch_plan(*args)
+                _launch_plan(plan, "torch", handle, dev_id, acc, optr, gptr, mptr, cptr,
+                             c_value)
 
         return run
 
@@ -1877,7 +1876,7 @@ class NumbaCudaBackend(Backend):
         acc = a.acc
         zero = np.dtype(acc).type(0) if SIM else 0.0
         lim = _device_limits(dev_id)
-        stream = None if SIM else _launch_stream(a, dev_id)[1]
+        stream = None if SIM else _driver_stream(_launch_stream(a, dev_id))
         G, Cg, HW = a.G, a.Ci // a.G, a.H * a.W
         geo = (a.B, G, Cg, 0, a.H, a.W, a.Ho, a.Wo, a.kh, a.kw,
                a.sh, a.sw, a.ph, a.pw, a.dh, a.dw)
