@@ -138,7 +138,6 @@ def _kernel(kernel_size, groups):
             if min(w[2:]) < 1:
                 raise ShapeError(f"kernel_size: expected kh, kw >= 1; got weight shape {w}")
             return w[2:], w[:2]
-        return _pair("kernel_size", ks, 1), None
     return _pair("kernel_size", kernel_size, 1), None
 
 
