@@ -494,25 +494,33 @@ CAPTURED = ("the stream these CUDA arrays name is being captured into a CUDA gra
             "torch tensors, whose scratch comes from the graph's own pool)")
 
 
-def launch_streams(kind: str, dev, infos) -> tuple[int, tuple]:
+def launch_streams(kind: str, dev, infos, written: int = 1) -> tuple[int, tuple, tuple]:
     """(the stream a GPU backend launches on, the streams it must make that one wait for
-    first), as raw handles. ``infos``: the call's ArrayInfos (None for absent ones), the
-    arrays written first.
+    first, the streams it must make wait for its launches afterwards), as raw handles.
+    ``infos``: the call's ArrayInfos (None for absent ones), the ``written`` arrays first
+    (the call's ``written``).
 
     torch tensors and CuPy arrays: their library's current stream, nothing to wait for.
     Generic CUDA arrays (``__cuda_array_interface__`` v3, numba device arrays): the stream
-    the written array names, so that its producer's pending work comes first and work the
-    user queues there next sees the result; the legacy default stream when it names
-    none. Every other stream an array names is waited for (an event recorded there), as
-    the interface asks of a consumer."""
+    the first written array names, so that its producer's pending work comes first and
+    work the user queues there next sees the result; the legacy default stream when it
+    names none. Every other stream an array names is waited for (an event recorded
+    there), as the interface asks of a consumer. A call that writes two arrays naming
+    different streams (the backward's grad_gamma and grad_mu) also makes the second's
+    stream wait for its launches, so work queued there next sees the result too."""
     if kind != "cai":
-        return current_stream(kind, dev), ()
-    infos = [a for a in infos if a is not None]
-    launch = 0 if infos[0].stream is None else infos[0].stream
-    waits = []
-    for a in infos[1:]:
-        s = a.stream
-        if (s is not None and s != launch and s not in waits
-                and not (s in _LEGACY and launch in _LEGACY)):
-            waits.append(s)
-    return launch, tuple(waits)
+        return current_stream(kind, dev), (), ()
+    outs = [a for a in infos[:written] if a is not None]
+    ins = [a for a in infos[written:] if a is not None]
+    launch = 0 if outs[0].stream is None else outs[0].stream
+
+    def others(streams):  # each once, not the launch stream (the legacy one's two handles as one)
+        kept = []
+        for s in streams:
+            if s != launch and s not in kept and not (s in _LEGACY and launch in _LEGACY):
+                kept.append(s)
+        return tuple(kept)
+
+    # A written array that names no stream is the legacy default stream's, as the first's.
+    then = others(0 if a.stream is None else a.stream for a in outs[1:])
+    return launch, others(a.stream for a in outs[1:] + ins if a.stream is not None), then

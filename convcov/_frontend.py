@@ -82,6 +82,8 @@ class Problem:
         leaves out bit-identical (out + c * 0 would turn -0.0 into +0.0)."""
         return 0 in (self.B, self.Co, self.Ho, self.Wo, self.Ci, self.H, self.W)
 
+    written = 1  # how many of infos (the first) the call writes: launch_streams
+
     @property
     def infos(self) -> tuple:
         """The arrays' ArrayInfos, the one written first (None for absent ones)."""
@@ -812,6 +814,8 @@ class Adjoint:
     def empty(self) -> bool:
         return 0 in (self.B, self.Ci, self.H, self.W) or (self.grad_gamma is None
                                                         and self.grad_mu is None)
+
+    written = 2  # grad_gamma and grad_mu (either may be absent): launch_streams
 
     @property
     def infos(self) -> tuple:

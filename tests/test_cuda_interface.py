@@ -207,6 +207,45 @@ def test_a_stream_being_captured_is_refused(backend, path):
     np.testing.assert_array_equal(cupy.asnumpy(out), out_h)
 
 
+@backend_names
+def test_backward_orders_both_gradients_streams(backend):
+    """The backward writes two arrays. grad_gamma names a stream held by a spin (the
+    launch goes there, behind it) and grad_mu names another, idle one: a copy queued on
+    grad_mu's stream after the call must wait for the launches, not read grad_mu before
+    it is written."""
+    from convcov._frontend import patch_moment_vjp
+
+    rng = np.random.default_rng(12)
+    B, Ci, H, W, G = 2, 4, 7, 6, 2
+    conv = {"stride": (2, 1), "padding": (1, 0), "groups": G}
+    Ho, Wo = (H + 2 - 3) // 2 + 1, W - 2
+    grad_S_h = rng.standard_normal((B, G, Ho, Wo, Ho, Wo)).astype(np.float32)
+    mu_h = rng.standard_normal((B, Ci, H, W)).astype(np.float32)
+    want_gg, want_gm = np.empty((B, Ci, H, W, H, W)), np.empty((B, Ci, H, W))
+    patch_moment_vjp(to_f64(grad_S_h), to_f64(mu_h), 3, grad_gamma=want_gg,
+                     grad_mu=want_gm, backend="numpy", **conv)
+    grad_S, mu = cupy.asarray(grad_S_h), cupy.asarray(mu_h)
+    gg = cupy.full(want_gg.shape, np.nan, np.float32)
+    gm = cupy.full(want_gm.shape, np.nan, np.float32)
+    patch_moment_vjp(grad_S, mu, 3, grad_gamma=gg.copy(), grad_mu=gm.copy(),
+                     backend=backend, **conv)  # warm: compiled and loaded
+    cupy.cuda.Device().synchronize()
+    held, idle = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
+    with held:
+        cupy.RawKernel(_SPIN, "spin")((1,), (1,), (np.int64(20_000_000),))
+    patch_moment_vjp(Foreign(grad_S, None), Foreign(mu, None), 3,
+                     grad_gamma=Foreign(gg, held.ptr), grad_mu=Foreign(gm, idle.ptr),
+                     backend=backend, **conv)
+    with idle:
+        got_gm = gm.copy()
+    idle.synchronize()
+    np.testing.assert_allclose(to_f64(cupy.asnumpy(got_gm)), want_gm, rtol=2e-5,
+                               atol=2e-5 * np.abs(want_gm).max())
+    held.synchronize()
+    np.testing.assert_allclose(to_f64(cupy.asnumpy(gg)), want_gg, rtol=2e-5,
+                               atol=2e-5 * np.abs(want_gg).max())
+
+
 @pytest.mark.parametrize("path", ["three"], indirect=True)
 def test_cupy_scratch_comes_from_one_pool_arena(path):
     """Calls on generic CUDA arrays that name a new stream each time take the cupy

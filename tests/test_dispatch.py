@@ -139,18 +139,25 @@ def test_generic_cuda_arrays_name_their_streams(fakes):
     convcov.accumulate(out, None, mu, c, 3, backend="fake_cuda")
     (p,) = fakes["fake_cuda"].calls
     assert [None if a is None else a.stream for a in p.infos] == [0x5000, None, 0x6000, 0x6000]
-    assert launch_streams(p.kind, p.device[1], p.infos) == (0x5000, (0x6000,))
+    assert launch_streams(p.kind, p.device[1], p.infos, p.written) == (0x5000, (0x6000,), ())
 
     def infos(*streams):
         return [None if s == "absent" else _arrays.info(FakeCudaArray((1,), stream=s), "x")
                 for s in streams]
 
-    assert launch_streams("cai", None, infos(None, None, None)) == (0, ())
-    assert launch_streams("cai", None, infos(None, "absent", 7, None)) == (0, (7,))
-    assert launch_streams("cai", None, infos(7, 7, 9, 1)) == (7, (9, 1))
-    assert launch_streams("cai", None, infos(1, 0, None, 2)) == (1, (2,))
-    assert launch_streams("cai", None, infos(None, 1)) == (0, ())
-    assert launch_streams("cai", None, infos("absent", 3, 4)) == (3, (4,))  # grad_gamma absent
+    assert launch_streams("cai", None, infos(None, None, None)) == (0, (), ())
+    assert launch_streams("cai", None, infos(None, "absent", 7, None)) == (0, (7,), ())
+    assert launch_streams("cai", None, infos(7, 7, 9, 1)) == (7, (9, 1), ())
+    assert launch_streams("cai", None, infos(1, 0, None, 2)) == (1, (2,), ())
+    assert launch_streams("cai", None, infos(None, 1)) == (0, (), ())
+    # The backward writes two (grad_gamma, grad_mu): the second's stream is waited for
+    # first and then waits for the launches; one that names none is the legacy stream's.
+    assert launch_streams("cai", None, infos("absent", 3, 4), 2) == (3, (4,), ())
+    assert launch_streams("cai", None, infos(7, 9, 9, 4), 2) == (7, (9, 4), (9,))
+    assert launch_streams("cai", None, infos(7, None, 4), 2) == (7, (4,), (0,))
+    assert launch_streams("cai", None, infos(None, 1, 4), 2) == (0, (4,), ())
+    assert launch_streams("cai", None, infos(1, 7, 7, 7), 2) == (1, (7,), (7,))
+    assert launch_streams("cai", None, infos(7, 7, 7), 2) == (7, (), ())
 
 
 def test_cuda_array_stream_handles_of_integer_types():

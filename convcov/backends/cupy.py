@@ -1502,16 +1502,24 @@ class CupyBackend(Backend):
                 _wait(cp.cuda.runtime, current, stream)
 
     def _streams(self, call, dev):
-        """The launch stream of a call (``launch_streams``), made to wait for the other
-        streams its generic CUDA arrays name: an event recorded on each, no host wait."""
-        stream, waits = launch_streams(call.kind, dev, call.infos)
+        """(the launch stream of a call, the streams to make wait for its launches
+        afterwards: ``_follow``), as ``launch_streams`` picks them; the launch stream made
+        to wait for the other streams its generic CUDA arrays name (an event recorded on
+        each, no host wait)."""
+        stream, waits, then = launch_streams(call.kind, dev, call.infos, call.written)
         if call.kind == "cai":
             runtime = self._cp.cuda.runtime
             if stream not in (0, 1) and runtime.streamIsCapturing(stream):
                 raise BackendError(f"cupy: {CAPTURED}")
             for w in waits:
                 _wait(runtime, stream, w)
-        return stream
+        return stream, then
+
+    def _follow(self, stream, then):
+        """Make the streams ``then`` wait for the launches queued on ``stream``: the other
+        streams a call writes arrays for (``launch_streams``)."""
+        for t in then:
+            _wait(self._cp.cuda.runtime, t, stream)
 
     def _enter(self, device):
         """(cupy, the device to run on, the device to restore afterwards or None)."""
@@ -1547,9 +1555,11 @@ class CupyBackend(Backend):
         self._on_device(p.device, self._run, p)
 
     def _run(self, dev, p):
-        self._launch(dev, self._plan_of(dev, p), p.kind, self._streams(p, dev),
-                     p.out_info.ptr, 0 if p.gamma_info is None else p.gamma_info.ptr,
-                     p.mu_info.ptr, 0 if p.c_info is None else p.c_info.ptr, p.c_value)
+        stream, then = self._streams(p, dev)
+        self._launch(dev, self._plan_of(dev, p), p.kind, stream, p.out_info.ptr,
+                     0 if p.gamma_info is None else p.gamma_info.ptr, p.mu_info.ptr,
+                     0 if p.c_info is None else p.c_info.ptr, p.c_value)
+        self._follow(stream, then)  # (none: the forward writes one array)
 
     def _cached(self, key, make, *args):
         """The plan cached under ``key``, made by make(*args) the first time."""
@@ -1632,7 +1642,7 @@ class CupyBackend(Backend):
                None if gg is None else (gg.dtype, gg.shape, gg.strides, gg.ptr & 15),
                None if gm is None else (gm.dtype, gm.shape, gm.strides))
         plan = self._cached(key, self._vjp_plan, a, dev)
-        stream = self._streams(a, dev)
+        stream, then = self._streams(a, dev)
         launch_kernel = self._cp.cuda.driver.launchKernel
         with self._scratch(a.kind, plan, dev, stream) as base:
             ptrs = _vjp_pointers(a, plan, base)
@@ -1641,6 +1651,7 @@ class CupyBackend(Backend):
                 for slot, ptr in zip(_VJP_PTR_SLOTS, ptrs):
                     args[slot] = ptr
                 _cu_launch(launch_kernel, ln, args, stream)
+        self._follow(stream, then)
 
 
 backend = CupyBackend()

@@ -1418,10 +1418,10 @@ def _driver_stream(handle):
 
 
 def _launch_stream(call, dev_id):
-    """The raw handle of a call's launch stream (``launch_streams``), made to wait for the
-    other streams its generic CUDA arrays name: an event recorded on each, no host
-    wait."""
-    handle, waits = launch_streams(call.kind, dev_id, call.infos)
+    """(the raw handle of a call's launch stream, the raw handles of the streams to make
+    wait for its launches afterwards: ``_follow``), as ``launch_streams`` picks them; the
+    launch stream made to wait for the other streams its generic CUDA arrays name."""
+    handle, waits, then = launch_streams(call.kind, dev_id, call.infos, call.written)
     stream = _driver_stream(handle)
     drv = _driver()
     if call.kind == "cai" and handle not in (0, 1):
@@ -1429,15 +1429,29 @@ def _launch_stream(call, dev_id):
         if status != drv.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE:
             raise BackendError(f"numba_cuda: {CAPTURED}")
     for w in waits:
-        err, event = drv.cuEventCreate(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+        _wait(stream, w)
+    return handle, then
+
+
+def _wait(stream, other):
+    """Make driver stream ``stream`` wait for the work queued so far on the stream of raw
+    handle ``other``: an event recorded there, no host wait."""
+    drv = _driver()
+    err, event = drv.cuEventCreate(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+    if err == drv.CUresult.CUDA_SUCCESS:
+        err, = drv.cuEventRecord(event, _driver_stream(other))
         if err == drv.CUresult.CUDA_SUCCESS:
-            err, = drv.cuEventRecord(event, _driver_stream(w))
-            if err == drv.CUresult.CUDA_SUCCESS:
-                err, = drv.cuStreamWaitEvent(stream, event, 0)
-            drv.cuEventDestroy(event)  # released once the wait is done with it
-        if err != drv.CUresult.CUDA_SUCCESS:
-            raise RuntimeError(f"numba_cuda: waiting for stream {w:#x} failed: {err!r}")
-    return handle
+            err, = drv.cuStreamWaitEvent(stream, event, 0)
+        drv.cuEventDestroy(event)  # released once the wait is done with it
+    if err != drv.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"numba_cuda: waiting for stream {other:#x} failed: {err!r}")
+
+
+def _follow(handle, then):
+    """Make the streams of raw handles ``then`` wait for the launches queued on stream
+    ``handle``: the other streams a call writes arrays for (``launch_streams``)."""
+    for t in then:
+        _wait(_driver_stream(t), handle)
 
 
 def _workspace(kind, dev, n, acc, stream):
@@ -1821,9 +1835,11 @@ class NumbaCudaBackend(Backend):
             for launch in plan.launches:
                 launch(None, values)
             return
-        _launch_plan(plan, p.kind, _launch_stream(p, dev_id), dev_id, p.acc,
+        handle, then = _launch_stream(p, dev_id)
+        _launch_plan(plan, p.kind, handle, dev_id, p.acc,
                      p.out_info.ptr, 0 if p.gamma is None else p.gamma_info.ptr,
                      p.mu_info.ptr, 0 if p.c is None else p.c_info.ptr, p.c_value)
+        _follow(handle, then)
 
     def bind(self, p):
         """The launcher of p's signature for the front end's fast path (Backend.bind): the
@@ -1876,7 +1892,8 @@ class NumbaCudaBackend(Backend):
         acc = a.acc
         zero = np.dtype(acc).type(0) if SIM else 0.0
         lim = _device_limits(dev_id)
-        stream = None if SIM else _driver_stream(_launch_stream(a, dev_id))
+        handle, then = (None, ()) if SIM else _launch_stream(a, dev_id)
+        stream = None if SIM else _driver_stream(handle)
         G, Cg, HW = a.G, a.Ci // a.G, a.H * a.W
         geo = (a.B, G, Cg, 0, a.H, a.W, a.Ho, a.Wo, a.kh, a.kw,
                a.sh, a.sw, a.ph, a.pw, a.dh, a.dw)
@@ -1898,6 +1915,7 @@ class NumbaCudaBackend(Backend):
             _launch_once("vjp_mu", (s_t, m_t, d_t), acc, dev_id, lim.grid(n_blocks, block), block,
                          stream, (sptr, sbase, sst, mptr, mbase, mst, dptr, dbase, dst, geo,
                                   zero))
+        _follow(handle, then)
 
 
 backend = NumbaCudaBackend()
