@@ -139,7 +139,8 @@ def register(backend: Backend) -> None:
     if not isinstance(backend, Backend):
         raise TypeError(f"register: expected a convcov.Backend instance; got {backend!r}")
     if backend.device not in AUTO:
-        raise ValueError(f"register: backend.device must be 'cpu' or 'cuda'; got {backend.device!r}")
+        raise ValueError(
+            f"register: backend.device must be 'cpu' or 'cuda'; got {backend.device!r}")
     with _lock:
         _extra[backend.name] = backend
         _changed()

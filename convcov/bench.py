@@ -7,8 +7,8 @@ calls are interleaved in rounds (``_rows``), so that no row alone catches a slow
 of the device. The floor of one call is ``bytes / copy bandwidth`` with bytes = |gamma
 channel-diagonal| + |mu| + 2 |out channel-diagonal| + |c| and the bandwidth of a large
 copy (bytes read + written) measured in the same run; ``fraction`` = floor / time (1.0 =
-at the memory floor). The same run times the plain PyTorch expression (:mod:`convcov.torch_expr`) eagerly and under
-``torch.compile`` on the same arrays.
+at the memory floor). The same run times the plain PyTorch expression
+(:mod:`convcov.torch_expr`) eagerly and under ``torch.compile`` on the same arrays.
 
 With ``grad=True`` (``convcov bench --grad``) it also times forward + backward through
 torch autograd (gradients of gamma, mu and c) for every backend with a backward and for
@@ -193,7 +193,6 @@ class _Cuda:
         for _ in range(3):
             b.copy_(a)
         ts = self.time_calls(lambda: b.copy_(a), 20, 5.0)
-        del a, b
         return 2 * 512 * 2**20 * 4 / statistics.median(ts)
 
     def time_calls(self, fn, repeat, budget_s, least=5):
@@ -390,8 +389,42 @@ def _time_grad(dev, w, sets, impls, bandwidth, repeat, budget_s, rounds, progres
         return call
 
     calls = {name: (grad_call(impl), None) for name, impl in impls.items()}
+    return _grouped_rows(dev, w, calls, floor_s, repeat, budget_s, rounds, progress, task)
+
+
+def _workload_rows(dev, w, impls, gimpls, bandwidth, repeat, budget_s, rounds, progress,
+                   task):
+    """The rows of workload ``w``: each implementation checked, then timed (with the
+    "fwd+bwd" rows of ``gimpls`` when there are any)."""
+    # Rotate among input sets whose bytes outgrow the last-level caches, so repeated
+    # calls are not served from cache (toy is latency-bound: one set).
+    sets = [_inputs(dev, w) for _ in range(1 if w.name == "toy" or
+                                           w.floor_bytes() > 2**30 else 3)]
+    a = sets[0]
+    turn = [0]
+
+    def rotating():
+        turn[0] = (turn[0] + 1) % len(sets)
+        return sets[turn[0]]
+
+    floor_s = w.floor_bytes() / bandwidth
+
+    def timed(impl):
+        def call():
+            x = rotating()
+            impl(x["out"], x["gamma"], x["mu"], x["c"], w)
+
+        return call
+
+    # torch.compile is not re-checked: checking would compile a second graph for
+    # the one-batch shape; it compiles the eager expression checked above.
+    calls = {name: (timed(impl), None if name == "torch.compile" else (
+        lambda impl=impl: _check(dev, w, a, lambda out, g, m, c: impl(out, g, m, c, w))))
+        for name, impl in impls.items()}
     rows = _grouped_rows(dev, w, calls, floor_s, repeat, budget_s, rounds, progress, task)
-    del G, views
+    if gimpls:
+        rows += _time_grad(dev, w, sets, gimpls, bandwidth, repeat, budget_s, rounds,
+                           progress, task)
     return rows
 
 
@@ -410,38 +443,9 @@ def run(device="cpu", workloads=None, backends=None, with_torch=True, repeat=200
     rows = []
     task = (progress.add_task("bench", total=len(chosen) * (len(impls) + len(gimpls)))
             if progress else None)
-    for w in chosen:
-        # Rotate among input sets whose bytes outgrow the last-level caches, so repeated
-        # calls are not served from cache (toy is latency-bound: one set).
-        sets = [_inputs(dev, w) for _ in range(1 if w.name == "toy" or
-                                               w.floor_bytes() > 2**30 else 3)]
-        a = sets[0]
-        turn = [0]
-
-        def rotating():
-            turn[0] = (turn[0] + 1) % len(sets)
-            return sets[turn[0]]
-
-        floor_s = w.floor_bytes() / bandwidth
-
-        def timed(impl):
-            def call():
-                x = rotating()
-                impl(x["out"], x["gamma"], x["mu"], x["c"], w)
-
-            return call
-
-        # torch.compile is not re-checked: checking would compile a second graph for
-        # the one-batch shape; it compiles the eager expression checked above.
-        calls = {name: (timed(impl), None if name == "torch.compile" else (
-            lambda impl=impl: _check(dev, w, a, lambda out, g, m, c: impl(out, g, m, c, w))))
-            for name, impl in impls.items()}
-        rows += _grouped_rows(dev, w, calls, floor_s, repeat, budget_s, rounds, progress,
-                              task)
-        if gimpls:
-            rows += _time_grad(dev, w, sets, gimpls, bandwidth, repeat, budget_s, rounds,
+    for w in chosen:  # (each workload's arrays are freed when its function returns)
+        rows += _workload_rows(dev, w, impls, gimpls, bandwidth, repeat, budget_s, rounds,
                                progress, task)
-        del a, sets
     return dict(
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         device=device, machine=dev.describe(), convcov=convcov.__version__,

@@ -169,7 +169,8 @@ def op_loops(out, gamma, mu, c, kh, kw, stride=(1, 1), padding=(0, 0), dilation=
                                             s += (gamma[b, ci, x0, y0, ci, x1, y1]
                                                   if gamma.ndim == 7
                                                   else gamma[b, ci, x0, y0, x1, y1])
-                            idx = (b, c0, i0, j0, c0, i1, j1) if full_out else (b, c0, i0, j0, i1, j1)
+                            idx = ((b, c0, i0, j0, c0, i1, j1) if full_out
+                                   else (b, c0, i0, j0, i1, j1))
                             out[idx] += c[c0] * s
     return out
 

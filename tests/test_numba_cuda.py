@@ -302,7 +302,8 @@ def _check(out0, gamma, mu, c, k, conv, kind, dtypes, layouts=("contiguous",) * 
     acc = "float64" if "float64" in used else "float32"
     tol = tolerance(bound, 2 * (mu.shape[1] // conv["groups"]) * k[0] * k[1], acc, dt_out)
     err = np.abs(got - ref)
-    assert (err <= tol).all(), f"worst error {err.max():.3g}, tolerance {tol.ravel()[err.argmax()]:.3g}"
+    assert (err <= tol).all(), (f"worst error {err.max():.3g}, "
+                                f"tolerance {tol.ravel()[err.argmax()]:.3g}")
     if out0.ndim == 7:  # off the channel-diagonal: bit-identical
         off = np.ones(out0.shape, bool)
         for c0 in range(out0.shape[1]):
@@ -339,7 +340,8 @@ def test_matches_loops(path, kind, conv, form):
 @available
 @pytest.mark.parametrize("dtypes", [("float16",) * 4, ("float64",) * 4,
                                     ("float16", "float32", "float64", "float16"),
-                                    ("bfloat16",) * 4, ("bfloat16", "float16", "float32", "float64")])
+                                    ("bfloat16",) * 4,
+                                    ("bfloat16", "float16", "float32", "float64")])
 def test_dtypes(path, dtypes):
     kind = "torch_cuda" if ON_GPU else "torch"
     if "bfloat16" in dtypes and not HAS_TORCH:
@@ -785,7 +787,7 @@ def test_threads_at_once(path):
     rng = np.random.default_rng(10)
     cases = [_problem(rng, 1, 2, 2, 5, 5, (2, 2)) for _ in range(4)]
     refs, results = [], [None] * len(cases)
-    for out, g, mu, c, k, cv in cases:
+    for out, g, mu, c, k, _ in cases:
         refs.append(convcov.accumulate(out.copy(), g, mu, c, k, backend="numpy"))
 
     def work(i, start):

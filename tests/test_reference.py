@@ -29,8 +29,8 @@ def op_slow(input, gamma, mu, c, weight_shape):
                                 for ii in range(weight_shape[2]):
                                     for ji in range(weight_shape[3]):
                                         input[bi, c0, i0, j0, c0, i0p, j0p] += c[c0] * (
-                                            mu[bi, ci, i0 + ii, j0 + ji] * mu[bi, ci, i0p + ii, j0p + ji]
-                                            + gamma[bi, ci, i0 + ii, j0 + ji, ci, i0p + ii, j0p + ji])
+                                            mu[bi, ci, i0 + ii, j0 + ji] * mu[bi, ci, i0p + ii, j0p + ji]  # noqa: E501 (the seed's lines)
+                                            + gamma[bi, ci, i0 + ii, j0 + ji, ci, i0p + ii, j0p + ji])  # noqa: E501
     return input
 
 

@@ -373,7 +373,8 @@ if _IMPORT_ERROR is None:
                         m = min(per, count - first)
                         ty = rt if m == 1 else ir.LiteralStructType([rt] * m)
                         fn = ir.FunctionType(ty, [ir.IntType(64)])
-                        code = ("{ .reg .u64 a; cvta.to.global.u64 a, $%d; ld.global.%s%s.%s %s, [a]; }"
+                        code = ("{ .reg .u64 a; cvta.to.global.u64 a, $%d; "
+                                "ld.global.%s%s.%s %s, [a]; }"
                                 % (m, hint, _ptx_vec(m), ptx_t, _ptx_list(0, m)))
                         cons = ",".join(["=" + letter] * m) + ",l"
                         part = builder.gep(builder.bitcast(addr, rt.as_pointer()),
@@ -425,7 +426,8 @@ if _IMPORT_ERROR is None:
                 p, idx, a, start = args
                 data = context.make_array(sig.args[2])(context, builder, a).data
                 m = n // 2 if raw else n  # raw: arr holds the words of n 16-bit elements
-                vals = [builder.load(builder.gep(data, [builder.add(start, ir.Constant(start.type, e))]))
+                vals = [builder.load(builder.gep(
+                            data, [builder.add(start, ir.Constant(start.type, e))]))
                         for e in range(m)]
                 lt = context.get_value_type(sig.args[0].dtype)
                 size = context.get_abi_sizeof(lt)
@@ -434,9 +436,11 @@ if _IMPORT_ERROR is None:
                     regs = vals
                 elif size == 2 and n >= 2:  # 16-bit elements: pack pairs into words
                     i16 = ir.IntType(16)
-                    regs = [builder.or_(builder.zext(builder.bitcast(vals[2 * w], i16), _I32),
-                                        builder.shl(builder.zext(builder.bitcast(vals[2 * w + 1], i16), _I32),
-                                                    ir.Constant(_I32, 16)))
+                    regs = [builder.or_(
+                                builder.zext(builder.bitcast(vals[2 * w], i16), _I32),
+                                builder.shl(builder.zext(builder.bitcast(vals[2 * w + 1], i16),
+                                                         _I32),
+                                            ir.Constant(_I32, 16)))
                             for w in range(count)]
                 else:
                     regs = [builder.bitcast(v, rt) for v in vals]
@@ -446,7 +450,8 @@ if _IMPORT_ERROR is None:
                     for first in range(0, count, per):
                         m = min(per, count - first)
                         fn = ir.FunctionType(ir.VoidType(), [ir.IntType(64)] + [rt] * m)
-                        code = ("{ .reg .u64 a; cvta.to.global.u64 a, $0; st.global.%s%s.%s [a], %s; }"
+                        code = ("{ .reg .u64 a; cvta.to.global.u64 a, $0; "
+                                "st.global.%s%s.%s [a], %s; }"
                                 % (hint, _ptx_vec(m), ptx_t, _ptx_list(1, m)))
                         cons = "l," + ",".join([letter] * m) + ",~{memory}"
                         part = builder.gep(builder.bitcast(addr, rt.as_pointer()),
@@ -458,7 +463,8 @@ if _IMPORT_ERROR is None:
                     vec = ir.Constant(vt, ir.Undefined)
                     for e, r in enumerate(regs):
                         vec = builder.insert_element(vec, r, ir.Constant(_I32, e))
-                    builder.store(vec, builder.bitcast(addr, vt.as_pointer()), align=min(16, n * size))
+                    builder.store(vec, builder.bitcast(addr, vt.as_pointer()),
+                                  align=min(16, n * size))
                 return context.get_dummy_value()
 
             return sig, codegen
@@ -1155,7 +1161,7 @@ if _IMPORT_ERROR is None:
                                 s += _to_acc(sptr[srow + i0 * sst[2] + j0 * sst[3]
                                                   + i1 * sst[4] + j1 * sst[5]], zero)
                 o = grow + x1 * gst[4] + y1 * gst[5]
-                for ci in range(Cg):  # the same value for each channel of the group
+                for _ in range(Cg):  # the same value for each channel of the group
                     _store(gptr, o, s)
                     o += gsc
                 q1 += nt
