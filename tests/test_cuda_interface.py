@@ -160,6 +160,49 @@ def test_device_of_an_array_that_names_none(backend):
     convcov.accumulate(empty, None, mu, 1.0, 3, backend=backend, **conv)
 
 
+def _current_context():
+    """The CUDA context current on this thread (0: none), from the driver."""
+    import ctypes
+    import os
+
+    lib = ctypes.CDLL("libcuda.so.1", mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+    ctx = ctypes.c_void_p(0)
+    assert lib.cuCtxGetCurrent(ctypes.byref(ctx)) == 0
+    return ctx.value or 0
+
+
+@backend_names
+def test_arrays_that_name_no_device_from_a_fresh_thread(backend):
+    """A thread that has made no CUDA call has no current context. The driver still says
+    where an address lives there (``_arrays.pointer_device``, not None: None would fall
+    back to the current device, wrong for memory on another GPU), and a whole call on such
+    arrays from that thread is correct."""
+    import threading
+
+    out_h, gamma_h, mu_h, c_h, conv, want = _problem(10)
+    out, g, mu, c = (cupy.asarray(a) for a in (out_h, gamma_h, mu_h, c_h))
+    dev = cupy.cuda.Device().id
+    _warm(backend, out, g, mu, c, conv)
+    seen, errors = {}, []
+
+    def fresh():
+        try:
+            seen["context before"] = _current_context()
+            seen["device"] = _arrays.pointer_device(out.data.ptr)
+            convcov.accumulate(*(Foreign(a, None) for a in (out, g, mu, c)), 3,
+                               backend=backend, **conv)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    t = threading.Thread(target=fresh)
+    t.start()
+    t.join()
+    assert not errors, errors
+    assert seen == {"context before": 0, "device": dev}
+    cupy.cuda.Device().synchronize()
+    _close(out, want)
+
+
 @backend_names
 def test_patch_moment_of_numba_arrays_on_a_stream(backend):
     """S of numba device arrays that live on a non-blocking stream (copied there behind a
