@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -451,6 +452,32 @@ def test_torch_compile_mutates_a_graph_input():
     got = run(torch.compile(f, fullgraph=True, backend="aot_eager"))
     for a, b in zip(got, run(f)):
         torch.testing.assert_close(a, b)
+
+
+def test_errors_under_the_compiler():
+    """docs/autograd.md, "Errors under the compiler": a bad tensor raises our ShapeError
+    when compiled; a bad non-tensor c raises our TypeError without fullgraph, and with
+    it Dynamo's own error, which carries our message. out is unchanged each time."""
+    case = Case(**GEOMETRIES[0], gamma_form="diag")
+    gamma, mu = case.gamma.detach(), case.mu.detach()
+    out = torch.zeros(case.out_shape, dtype=F64)
+
+    def f(out, c):
+        return convcov.accumulate(out, gamma, mu, c, case.k, backend="numpy", **case.conv)
+
+    # (Which check names the str first depends on whether the operators are loaded yet.)
+    message = r"c: expected .*got (builtins\.str|'bad')"
+    torch._dynamo.reset()
+    with pytest.raises(ShapeError, match=r"c: expected .* got shape \(1, 1\)"):
+        torch.compile(f, fullgraph=True, backend="eager")(out, torch.ones(1, 1, dtype=F64))
+    torch._dynamo.reset()
+    with pytest.raises(TypeError, match=message):
+        torch.compile(f, backend="eager")(out, "bad")
+    torch._dynamo.reset()
+    with pytest.raises(Exception) as caught:
+        torch.compile(f, fullgraph=True, backend="eager")(out, "bad")
+    assert re.search(message, str(caught.value)), caught.value
+    assert not out.any()
 
 
 def test_traced_without_grad():
