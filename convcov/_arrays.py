@@ -185,8 +185,24 @@ def _cai_device(x, ptr) -> int | None:
     return device
 
 
-_cuPointerGetAttribute = None  # the driver's function, once it is loaded
+_driver_functions: dict = {}  # name -> the loaded driver's function (once it is loaded)
 _CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9
+
+
+def _driver_function(name: str, argtypes: tuple):
+    """The CUDA driver's function ``name``, from a driver some library has loaded already
+    (``RTLD_NOLOAD``: convcov never loads or initialises CUDA itself); None when none is
+    loaded (yet: asked again next time) or the driver has no such function."""
+    fn = _driver_functions.get(name)
+    if fn is None:
+        try:
+            lib = ctypes.CDLL("libcuda.so.1", mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+            fn = getattr(lib, name)
+        except (OSError, AttributeError):
+            return None
+        fn.argtypes, fn.restype = argtypes, ctypes.c_int
+        _driver_functions[name] = fn
+    return fn
 
 
 def pointer_device(ptr: int) -> int | None:
@@ -194,25 +210,47 @@ def pointer_device(ptr: int) -> int | None:
     (``cuPointerGetAttribute``); None when the driver is not loaded in this process (no
     CUDA array can exist then), has not been initialised, or does not know the address.
 
-    Only a driver some library has loaded already is used (``RTLD_NOLOAD``): convcov
-    never loads or initialises CUDA itself. Without this, an array whose producer records
-    no device would be computed on the current device, wherever it lives."""
-    global _cuPointerGetAttribute
+    Without this, an array whose producer records no device would be computed on the
+    current device, wherever it lives."""
     if not ptr:  # no address (an empty array): nothing to ask
         return None
-    fn = _cuPointerGetAttribute
+    fn = _driver_function("cuPointerGetAttribute",
+                          (ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64))
     if fn is None:
-        try:
-            lib = ctypes.CDLL("libcuda.so.1", mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
-            fn = lib.cuPointerGetAttribute
-        except (OSError, AttributeError):  # not loaded (yet: asked again next time)
-            return None
-        fn.argtypes = (ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64)
-        fn.restype = ctypes.c_int
-        _cuPointerGetAttribute = fn
+        return None
     ordinal = ctypes.c_int(-1)
     if fn(ctypes.byref(ordinal), _CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr) != 0:
         return None  # CUDA_ERROR_NOT_INITIALIZED, or not a device address
+    return ordinal.value
+
+
+#: Stream handles that name a default stream of whichever device is current (the null
+#: handle and CU_STREAM_LEGACY: the legacy one; CU_STREAM_PER_THREAD), not one device's.
+DEFAULT_STREAMS = (0, 1, 2)
+
+
+def stream_device(handle: int) -> int | None:
+    """Ordinal of the device that stream ``handle`` belongs to, from the CUDA driver
+    (``cuStreamGetDevice``, drivers for CUDA 12.8 and later); None for a default-stream
+    handle (``DEFAULT_STREAMS``), for a stream being captured into a CUDA graph, and when
+    no driver is loaded, the driver is older, or it does not know the handle. A generic
+    CUDA array that names another device's stream is refused before anything is queued
+    (``_frontend._check_streams``): a launch there would run on that device with this
+    one's addresses."""
+    if handle in DEFAULT_STREAMS:
+        return None
+    capturing = _driver_function("cuStreamIsCapturing", (ctypes.c_void_p, ctypes.c_void_p))
+    fn = _driver_function("cuStreamGetDevice", (ctypes.c_void_p, ctypes.c_void_p))
+    if fn is None or capturing is None:
+        return None
+    # Asked of a stream being captured, cuStreamGetDevice ends the capture with an error
+    # (H200, driver 580): such a stream is the backends' to refuse (a BackendError).
+    status = ctypes.c_int(0)
+    if capturing(ctypes.c_void_p(handle), ctypes.byref(status)) != 0 or status.value != 0:
+        return None
+    ordinal = ctypes.c_int(-1)
+    if fn(ctypes.c_void_p(handle), ctypes.byref(ordinal)) != 0:
+        return None
     return ordinal.value
 
 

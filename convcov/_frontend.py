@@ -233,6 +233,8 @@ def normalise(out, gamma, mu, c, kernel_size, stride, padding, dilation, groups)
         if key is not None and len(_checked) < 4096:
             _checked[key] = chk
     (G, kh, kw, sh, sw, ph, pw, dh, dw, B, Ci, Co, H, W, Ho, Wo, acc, spans) = chk
+    if mu_i.kind == "cai":
+        _check_streams((("out", out_i), ("gamma", gamma_i), ("mu", mu_i), ("c", c_i)))
 
     # Memory: out is written in place, so it must alias no input. (The bounds test first:
     # the exact one costs microseconds.)
@@ -356,6 +358,22 @@ def _check_kinds(arrays):
             or len({a.device[1] for _, a in arrays} - {None}) > 1):
         got = ", ".join(f"{n}: {a.kind} on {_device_str(a.device)}" for n, a in arrays)
         raise TypeError(f"all arrays must be of one kind on one device; got {got}")
+
+
+def _check_streams(arrays):
+    """TypeError when a generic CUDA array of the (name, ArrayInfo or None) pairs names a
+    stream that belongs to another device than the arrays' (where the driver says:
+    ``_arrays.stream_device``): a launch there would run on that device with this one's
+    addresses. Checked on every call (after ``_check_kinds``): the streams are not part of
+    the signature."""
+    ordinals = {a.device[1] for _, a in arrays if a is not None} - {None}
+    for n, a in arrays:
+        if a is not None and a.stream is not None and ordinals:
+            d = _arrays.stream_device(a.stream)
+            if d is not None and d not in ordinals:
+                raise TypeError(
+                    f"{n}: its __cuda_array_interface__ names stream {a.stream:#x}, which "
+                    f"belongs to cuda:{d}; the arrays are on cuda:{min(ordinals)}")
 
 
 def _device_of(mu_i, others):
@@ -688,6 +706,7 @@ def check_patch_moment(gamma, mu, kernel_size, stride, padding, dilation, groups
     Wo = _out_size(W, kw, sw, pw, dw, "W", "kw")
     infos = [mu_i] + ([] if gamma is None else [_arrays.info(gamma, "gamma")])
     _check_kinds(list(zip(("mu", "gamma"), infos)))
+    _check_streams(list(zip(("mu", "gamma"), infos)))
     for n, a in zip(("mu", "gamma"), infos):
         _check_dtype(n, a)
     if Ci % G:
@@ -853,6 +872,7 @@ def patch_moment_vjp(grad_S, mu, kernel_size, *, grad_gamma=None, grad_mu=None, 
         arrays.append(("grad_mu", _arrays.info(grad_mu, "grad_mu")))
     infos = dict(arrays)
     _check_kinds(arrays)
+    _check_streams(arrays)
     for n, a in arrays:
         _check_dtype(n, a)
     mu_i, S_i = infos["mu"], infos["grad_S"]

@@ -329,3 +329,37 @@ def test_second_gpu_array_that_names_no_device(backend):
     with cupy.cuda.Device(1):
         cupy.cuda.Device().synchronize()
         _close(out, want)
+
+
+@backend_names
+def test_a_stream_of_another_device_is_refused(backend):
+    """Arrays on the first GPU whose interface names a stream of the second: a TypeError
+    that says so, before anything is queued, out unchanged. (Before, numba_cuda launched
+    on that stream, on the second GPU with the first's addresses, and returned; cupy
+    failed with CUDA's "invalid resource handle".) The first GPU's own streams pass."""
+    if cupy.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("one CUDA device")
+    out_h, gamma_h, mu_h, c_h, conv, want = _problem(11)
+    with cupy.cuda.Device(0):
+        out, g, mu, c = (cupy.asarray(a) for a in (out_h, gamma_h, mu_h, c_h))
+        own = cupy.cuda.Stream(non_blocking=True)
+    with cupy.cuda.Device(1):
+        other = cupy.cuda.Stream(non_blocking=True)
+    assert _arrays.stream_device(other.ptr) == 1 and _arrays.stream_device(own.ptr) == 0
+    for bad in ("out", "mu"):
+        named = {n: (other.ptr if n == bad else None) for n in ("out", "gamma", "mu", "c")}
+        with cupy.cuda.Device(0), pytest.raises(
+                TypeError, match=rf"{bad}: its __cuda_array_interface__ names stream "
+                rf"{other.ptr:#x}, which belongs to cuda:1; the arrays are on cuda:0"):
+            convcov.accumulate(*(Foreign(a, named[n]) for n, a in
+                                 zip(("out", "gamma", "mu", "c"), (out, g, mu, c))), 3,
+                               backend=backend, **conv)
+    with cupy.cuda.Device(0):
+        cupy.cuda.Device().synchronize()
+        np.testing.assert_array_equal(cupy.asnumpy(out), out_h)
+        convcov.accumulate(*(Foreign(a, own.ptr) for a in (out, g, mu, c)), 3,
+                           backend=backend, **conv)
+        own.synchronize()
+        _close(out, want)
+    with cupy.cuda.Device(1):
+        cupy.cuda.Device().synchronize()  # the second GPU is unharmed

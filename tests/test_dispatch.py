@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import convcov
-from convcov import Backend, BackendError, _arrays, _registry
+from convcov import Backend, BackendError, _arrays, _frontend, _registry
 
 from kinds import HAS_TORCH, FakeCudaArray
 
@@ -209,8 +209,47 @@ def test_pointer_device_never_loads_the_driver():
     if _libcuda_loaded():
         pytest.skip("a CUDA driver is loaded in this process")
     assert _arrays.pointer_device(0x10000000) is None
+    assert _arrays.stream_device(0x5000) is None
     assert _arrays.info(FakeCudaArray((1,), ptr=0x10000000), "x").device == ("cuda", None)
-    assert not _libcuda_loaded() and _arrays._cuPointerGetAttribute is None
+    assert not _libcuda_loaded() and not _arrays._driver_functions
+
+
+def test_a_stream_of_another_device_is_refused(fakes, monkeypatch):
+    """A generic CUDA array that names a stream of another device than the arrays' is a
+    TypeError before the backend is called (the driver says where a stream belongs:
+    _arrays.stream_device, stood in for here); default-stream handles and streams the
+    driver does not place pass."""
+    monkeypatch.setattr(_arrays, "pointer_device", lambda ptr: 0 if ptr else None)
+    monkeypatch.setattr(_arrays, "stream_device",
+                        lambda s: {0x5000: 0, 0x6000: 1}.get(s))
+    out_h = np.zeros((1, 2, 2, 2, 2, 2, 2), np.float32)
+
+    def call(out_stream, mu_stream):
+        out = FakeCudaArray(out_h.shape, ptr=0x10000000, stream=out_stream)
+        mu = FakeCudaArray((1, 2, 4, 4), ptr=0x20000000, stream=mu_stream)
+        convcov.accumulate(out, None, mu, 2.0, 3, backend="fake_cuda")
+
+    for out_stream, mu_stream, bad in ((0x6000, None, "out"), (0x5000, 0x6000, "mu")):
+        with pytest.raises(TypeError, match=rf"{bad}: its __cuda_array_interface__ names "
+                           r"stream 0x6000, which belongs to cuda:1; the arrays are on cuda:0"):
+            call(out_stream, mu_stream)
+    assert fakes["fake_cuda"].calls == []
+    for streams in ((0x5000, 0x5000), (1, 2), (None, 0x7000)):
+        call(*streams)
+    assert len(fakes["fake_cuda"].calls) == 3
+    # Per call, not per signature: the signature passed just now.
+    with pytest.raises(TypeError, match="mu: .* names stream 0x6000, which belongs to cuda:1"):
+        call(0x5000, 0x6000)
+    assert len(fakes["fake_cuda"].calls) == 3
+    # patch_moment and the backward check the same.
+    mu = FakeCudaArray((1, 2, 4, 4), ptr=0x20000000, stream=0x6000)
+    with pytest.raises(TypeError, match="mu: .* names stream 0x6000, which belongs to cuda:1"):
+        convcov.patch_moment(None, mu, 3, backend="fake_cuda")
+    grad_S = FakeCudaArray((1, 1, 2, 2, 2, 2), ptr=0x30000000, stream=0x6000)
+    with pytest.raises(TypeError, match="grad_S: .* stream 0x6000, which belongs to cuda:1"):
+        _frontend.patch_moment_vjp(grad_S, FakeCudaArray((1, 2, 4, 4), ptr=0x20000000), 3,
+                                   grad_mu=FakeCudaArray((1, 2, 4, 4), ptr=0x40000000),
+                                   backend="fake_cuda")
 
 
 def test_cuda_arrays_without_gpu_backend_give_clear_error(monkeypatch):
