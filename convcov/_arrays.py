@@ -185,23 +185,27 @@ def _cai_device(x, ptr) -> int | None:
     return device
 
 
-_driver_functions: dict = {}  # name -> the loaded driver's function (once it is loaded)
+_driver_functions: dict = {}  # name -> the loaded driver's function, or None: it has none
 _CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9
 
 
 def _driver_function(name: str, argtypes: tuple):
     """The CUDA driver's function ``name``, from a driver some library has loaded already
     (``RTLD_NOLOAD``: convcov never loads or initialises CUDA itself); None when none is
-    loaded (yet: asked again next time) or the driver has no such function."""
-    fn = _driver_functions.get(name)
-    if fn is None:
-        try:
-            lib = ctypes.CDLL("libcuda.so.1", mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
-            fn = getattr(lib, name)
-        except (OSError, AttributeError):
-            return None
+    loaded (yet: asked again next time) or the driver has no such function (remembered:
+    an older driver)."""
+    try:
+        return _driver_functions[name]
+    except KeyError:
+        pass
+    try:
+        lib = ctypes.CDLL("libcuda.so.1", mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+    except OSError:
+        return None
+    fn = getattr(lib, name, None)
+    if fn is not None:
         fn.argtypes, fn.restype = argtypes, ctypes.c_int
-        _driver_functions[name] = fn
+    _driver_functions[name] = fn
     return fn
 
 

@@ -1555,11 +1555,10 @@ class CupyBackend(Backend):
         self._on_device(p.device, self._run, p)
 
     def _run(self, dev, p):
-        stream, then = self._streams(p, dev)
+        stream, _ = self._streams(p, dev)  # (the forward writes one array: none to follow)
         self._launch(dev, self._plan_of(dev, p), p.kind, stream, p.out_info.ptr,
                      0 if p.gamma_info is None else p.gamma_info.ptr, p.mu_info.ptr,
                      0 if p.c_info is None else p.c_info.ptr, p.c_value)
-        self._follow(stream, then)  # (none: the forward writes one array)
 
     def _cached(self, key, make, *args):
         """The plan cached under ``key``, made by make(*args) the first time."""
