@@ -473,6 +473,163 @@ def test_captured_calls_take_the_graphs_memory(path):
         torch.testing.assert_close(o, out + 5 * term, rtol=1e-12, atol=1e-12)
 
 
+def _launcher_replays():
+    """The graphs of every bound cupy launcher (_Replays.graphs), in binding order."""
+    return [b.run.replays[0].graphs for b in _frontend._bound.values()
+            if b is not None and getattr(b.run, "replays", [None])[0] is not None]
+
+
+@gpu
+@need_torch
+@pytest.mark.parametrize("path", ["three"], indirect=True)
+@pytest.mark.parametrize("split", [False, True])
+def test_repeated_calls_replay_a_graph(path, monkeypatch, split):
+    """A bound call that comes again with the same addresses is replayed as one CUDA graph
+    (_Replays, built the second time its key is seen): the results have the bits of plain
+    launches, for a tensor c and for number cs that differ only in their sign bit; new
+    addresses get their own graph, at most _Replays.MAX a launcher, and beyond them calls
+    launch plainly and stay right; a replay on a side stream is ordered after the work
+    queued there before it. ``split``: the graphs run the batch's halves on two branches
+    (_split; only large calls do by default)."""
+    import torch
+
+    from convcov.backends import cupy as mod
+
+    monkeypatch.setattr(mod, "REPLAY_SPLIT_BYTES", 0 if split else 1 << 62)
+    rng = np.random.default_rng(23)
+    out, g, mu, c, k, conv = _problem(rng, "torch_cuda", ["float32"] * 4, ["contiguous"] * 3)
+    out[0, 0, 0, 0, 0, 0, 0] = -0.0  # a -0.0 + -0.0 keeps its sign, -0.0 + 0.0 does not
+    results = {}
+    for replay in (False, True):
+        monkeypatch.setattr(mod, "REPLAY", replay)  # read when a signature is bound
+        monkeypatch.setattr(_frontend, "_bound", {})
+        for cv in (c, 0.0, -0.0, 0.5):
+            o = out.clone()
+            for _ in range(4):
+                convcov.accumulate(o, g, mu, cv, k, backend="cupy", **conv)
+            torch.cuda.synchronize()
+            results[replay, str(cv) if isinstance(cv, float) else "tensor"] = o
+        graphs = _launcher_replays()
+        if replay:
+            # one launcher for the tensor c, one for the number cs: 1 and 3 graphs
+            assert sorted(len(x) for x in graphs) == [1, 3]
+        else:
+            assert graphs == []
+    for key in ("tensor", "0.0", "-0.0", "0.5"):
+        assert torch.equal(results[False, key].view(torch.int32),
+                           results[True, key].view(torch.int32)), key
+    assert not torch.equal(results[True, "0.0"].view(torch.int32),
+                           results[True, "-0.0"].view(torch.int32))
+
+    # A side stream (its own kept scratch, so its own graph): out is rewritten there, behind
+    # a spin that holds the stream while the host queues on, right before each call.
+    monkeypatch.setattr(_frontend, "_bound", {})
+    side = torch.cuda.Stream()
+    o = out.clone()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(4):  # binds; first sighting; builds and launches; replays
+            torch.cuda._sleep(2_000_000)
+            o.copy_(out)
+            _check(o, g, mu, c, k, conv)
+    torch.cuda.current_stream().wait_stream(side)
+    assert [len(x) for x in _launcher_replays()] == [1]
+
+    # New addresses: a graph each up to MAX, then plain launches, all right.
+    monkeypatch.setattr(_frontend, "_bound", {})
+    outs = [out.clone() for _ in range(mod._Replays.MAX + 3)]
+    for o in outs:
+        _check(o, g, mu, c, k, conv)
+    for o in outs:
+        o.copy_(out)
+        _check(o, g, mu, c, k, conv)
+    for o in outs:
+        o.copy_(out)
+        _check(o, g, mu, c, k, conv)
+    (graphs,) = _launcher_replays()
+    assert len(graphs) == mod._Replays.MAX
+
+
+
+class _FakeRuntime:
+    """Stand-in for CuPy's runtime module: records the graph calls _Replays makes."""
+
+    streamNonBlocking, streamCaptureModeThreadLocal, eventDisableTiming = 1, 2, 3
+
+    def __init__(self, fail_launch=False):
+        self.log, self.fail_launch, self.handles = [], fail_launch, iter(range(11, 99))
+
+    def __getattr__(self, name):
+        def call(*args):
+            self.log.append((name,) + args)
+            if name in ("streamCreateWithFlags", "eventCreateWithFlags"):
+                return next(self.handles)
+            return {"streamEndCapture": 7, "graphInstantiate": 5}.get(name)
+        return call
+
+
+def test_replays_capture_on_private_streams():
+    """_Replays.build (host, stand-in runtime): one chain is captured on a new non-blocking
+    stream in thread-local mode, two on two streams forked from and joined back to the
+    first; the graph is instantiated; the graph template, streams and events are destroyed
+    either way; at most MAX graphs; a failing launch ends the capture, stores nothing and
+    raises (the launcher then stops replaying)."""
+    import array
+
+    from convcov.backends import cupy as mod
+
+    class Plan:
+        launches = [mod._Launch(f"f{i}", 4 + i, array.array("q", [0] * len(mod._FIELDS)))
+                    for i in range(3)]
+
+    whole = mod._Offsets(0, 0, 0, 0, 256)
+    rt, launched = _FakeRuntime(), []
+
+    def launch_kernel(func, grid, *rest):
+        launched.append((func, grid, rest[6]))  # (..., stream, params, extra)
+        if rt.fail_launch:
+            raise RuntimeError("launch failed")
+
+    r = mod._Replays(rt)
+    exe = r.build("k0", launch_kernel, [(mod._slots(Plan), whole)], 1000, 1, 2, 3, 4, 0.0)
+    assert exe == 5 and r.graphs == {"k0": 5}
+    assert launched == [("f0", 4, 11), ("f1", 5, 11), ("f2", 6, 11)]
+    assert rt.log == [("streamCreateWithFlags", 1), ("streamBeginCapture", 11, 2),
+                      ("streamEndCapture", 11), ("graphInstantiate", 7), ("graphDestroy", 7),
+                      ("streamDestroy", 11)]
+
+    rt.log.clear()
+    launched.clear()
+    two = [(mod._slots(Plan), whole), (mod._slots(Plan), mod._Offsets(8, 8, 8, 64, 256))]
+    assert r.build("k1", launch_kernel, two, 1000, 1, 2, 3, 4, 0.0) == 5
+    assert [x[2] for x in launched] == [12, 12, 12, 13, 13, 13]  # each chain its stream
+    for (slots, _), addresses in zip(two, [(1, 2, 3, 4, 1256, 1000),
+                                           (9, 10, 11, 4, 1320, 1064)]):
+        for slot in slots:  # out, gamma, mu, c, T (S + off.t), S: offset per chain
+            assert tuple(slot[2][:6]) == addresses
+    assert rt.log == [("streamCreateWithFlags", 1), ("streamCreateWithFlags", 1),
+                      ("eventCreateWithFlags", 3), ("eventCreateWithFlags", 3),
+                      ("streamBeginCapture", 12, 2), ("eventRecord", 14, 12),
+                      ("streamWaitEvent", 13, 14), ("eventRecord", 15, 13),
+                      ("streamWaitEvent", 12, 15), ("streamEndCapture", 12),
+                      ("graphInstantiate", 7), ("graphDestroy", 7), ("eventDestroy", 15),
+                      ("eventDestroy", 14), ("streamDestroy", 13), ("streamDestroy", 12)]
+
+    for i in range(2, mod._Replays.MAX):
+        assert r.build(f"k{i}", launch_kernel, two, 1000, 1, 2, 3, 4, 0.0) == 5
+    rt.log.clear()
+    assert r.build("more", launch_kernel, two, 1000, 1, 2, 3, 4, 0.0) is None
+    assert rt.log == [] and len(r.graphs) == mod._Replays.MAX
+
+    rt, launched = _FakeRuntime(fail_launch=True), []
+    r = mod._Replays(rt)
+    with pytest.raises(RuntimeError, match="launch failed"):
+        r.build("k", launch_kernel, [(mod._slots(Plan), whole)], 1000, 1, 2, 3, 4, 0.0)
+    assert [e[0] for e in rt.log] == ["streamCreateWithFlags", "streamBeginCapture",
+                                      "streamEndCapture", "graphDestroy", "streamDestroy"]
+    assert r.graphs == {}
+
+
 @gpu
 @need_torch
 def test_second_gpu(monkeypatch):
@@ -693,6 +850,74 @@ _HOST_CASES = [  # (B, Ci, Co, G, H, W, k, stride, padding, dilation)
     (1, 2, 2, 1, 9, 5, (7, 2), (1, 1), (2, 1), (1, 1)),  # cc_sbox_walk's tallest kernel
     (1, 2, 2, 1, 9, 3, (8, 1), (1, 1), (1, 0), (1, 1)),  # one taller: cc_sbox
 ]
+
+
+def test_only_large_replays_split_the_batch():
+    """Replays run the batch's halves on two graph branches from REPLAY_SPLIT_BYTES of
+    gamma's and out's channel diagonals on: the bench's `mid` (292 MB) and half of it do,
+    a quarter of it (slower split on the H200: docs/cupy.md, "Replays") does not."""
+    from types import SimpleNamespace as NS
+
+    from convcov.backends import cupy as mod
+
+    def mid(B, gamma="float32"):
+        return NS(B=B, Ci=32, Co=32, H=16, W=16, Ho=14, Wo=14, out_info=NS(dtype="float32"),
+                  gamma_info=gamma and NS(dtype=gamma))
+
+    assert mod._moved(mid(16)) == 16 * (32 * 256**2 + 2 * 32 * 196**2) * 4
+    assert mod._moved(mid(16)) >= mod._moved(mid(8)) >= mod.REPLAY_SPLIT_BYTES
+    assert mod._moved(mid(4)) < mod.REPLAY_SPLIT_BYTES
+    assert mod._moved(mid(8, None)) < mod.REPLAY_SPLIT_BYTES  # no gamma to read
+
+
+@pytest.mark.parametrize("case", [0, 1, 3, 6])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "float64"])
+@pytest.mark.parametrize("forced", ["three", "three-box"])
+@pytest.mark.parametrize("form", [(False, "diag"), (True, "full"), (False, None)])
+@pytest.mark.parametrize("B, parts", [(2, 2), (3, 2), (5, 3)])
+def test_batch_chunks_on_host(host_kernels, monkeypatch, case, dtype, forced, form, B, parts):
+    """The plan split into batch chunks (_split, as replays run them on a graph's
+    branches), launched chunk after chunk on the host build, gives the whole plan's bits:
+    B, the work counts, the grids and every address (gamma's absent one stays 0) are
+    scaled and offset per chunk, T and S included; chunks of unequal size too."""
+    import ctypes
+
+    from convcov import _frontend
+    from convcov.backends import cupy as mod
+
+    lib, index = host_kernels
+    _force(monkeypatch, forced)
+    _, Ci, Co, G, H, W, k, stride, padding, dilation = _HOST_CASES[case]
+    full_out, gamma = form
+    rng = np.random.default_rng(case)
+    out, g, mu, c, k, conv = _problem(rng, "numpy", [dtype] * 4, ["contiguous"] * 3, B=B,
+                                      Ci=Ci, Co=Co, G=G, H=H, W=W, k=k, stride=stride,
+                                      padding=padding, dilation=dilation, full_out=full_out,
+                                      gamma=gamma)
+    whole = out.copy()
+    _host_call(host_kernels, whole, g, mu, c, k, conv)
+    p = _frontend.normalise(out, g, mu, c, k, conv["stride"], conv["padding"],
+                            conv["dilation"], conv["groups"])
+    plan = _host_backend((4, 256))._plan(p, 0)
+    assert len(plan.launches) == 3
+    scratch = np.full(plan.scratch + 64, np.nan, plan.acc)
+    base = scratch.ctypes.data + (-scratch.ctypes.data) % 256
+    chains = mod._split(plan, mod._batch(plan, p), parts)
+    assert [slots[0][2][mod._SLOT["B"]] for slots, _ in chains] == [
+        B // parts + (i < B % parts) for i in range(parts)]
+    gptr = 0 if g is None else p.gamma_info.ptr
+    # Launch by launch across the chunks (every chunk's T, then every S, then the
+    # updates), so chunks that shared T or S would overwrite each other's, as concurrent
+    # graph branches could.
+    for step in zip(*[[(sl, off) for sl in slots] for slots, off in chains]):
+        for (func, grid, args, _, _), off in step:
+            filled = np.array(mod._write(args, p.out_info.ptr + off.out,
+                                         gptr and gptr + off.gamma, p.mu_info.ptr + off.mu,
+                                         p.c_info.ptr, base + off.s + off.t, base + off.s,
+                                         0), np.int64)
+            getattr(lib, f"run_{index[func]}")(ctypes.c_void_p(filled.ctypes.data),
+                                               ctypes.c_longlong(grid))
+    np.testing.assert_array_equal(out.view(np.uint8), whole.view(np.uint8))
 
 
 @pytest.mark.parametrize("case", range(len(_HOST_CASES)))
