@@ -72,7 +72,7 @@ REPLAY = True
 #: Replays of calls that move at least this many bytes (gamma's channel diagonal and
 #: out's, read and written) run two halves of the batch on two branches of the graph
 #: (_split): one half's channel sum beside the other's update. Measured on the H200
-#: (docs/cupy.md, "Replays"): 7-9 µs less on `mid` (292 MB), about 2 on half of it,
+#: (docs/cupy.md, "Replays"): about 7 µs less on `mid` (292 MB), about 2 on half of it,
 #: 5 µs more on a quarter of it, where each half is too small to fill the device.
 #: Read when a launcher is bound.
 REPLAY_SPLIT_BYTES = 1 << 27
