@@ -852,6 +852,86 @@ _HOST_CASES = [  # (B, Ci, Co, G, H, W, k, stride, padding, dilation)
 ]
 
 
+class _LauncherRuntime(_FakeRuntime):
+    """_FakeRuntime with a current device 0 and no stream being captured."""
+
+    def __init__(self, fail_capture=False):
+        super().__init__()
+        self.fail_capture = fail_capture
+
+    def getDevice(self):
+        return 0
+
+    def streamIsCapturing(self, stream):
+        return False
+
+    def streamBeginCapture(self, *args):
+        self.log.append(("streamBeginCapture",) + args)
+        if self.fail_capture:
+            raise RuntimeError("capture refused")
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_bound_launcher_replays_on_host(monkeypatch, split):
+    """The bound launcher's replay logic (host, stand-in CuPy runtime and driver, the host
+    planner): a key's first call launches plainly and records it, the second builds a
+    graph (two capture streams when split) and launches it on the call's stream, the
+    third only launches it; 0.0 and -0.0 as c are two keys, as are other addresses; a
+    capture that fails leaves that call and the later ones to plain launches."""
+    import dataclasses
+    from types import SimpleNamespace as NS
+
+    from convcov import _frontend
+    from convcov.backends import cupy as mod
+
+    monkeypatch.setattr(mod, "REPLAY_SPLIT_BYTES", 0 if split else 1 << 62)
+    monkeypatch.setattr(mod, "torch_stream_getter", lambda: (lambda dev: 77))
+    monkeypatch.setattr(mod, "kept_torch_scratch", lambda nbytes, dev, stream: 4096)
+    _force(monkeypatch, "three")
+    rng = np.random.default_rng(5)
+    out, g, mu, c, k, conv = _problem(rng, "numpy", ["float32"] * 4, ["contiguous"] * 3,
+                                      c_form="number")
+    p = _frontend.normalise(out, g, mu, c, k, conv["stride"], conv["padding"],
+                            conv["dilation"], conv["groups"])
+    p = dataclasses.replace(p, kind="torch", device=("cuda", 0))
+
+    def launcher(rt):
+        backend = _host_backend((4, 256))
+        launched = []
+        backend._cp = NS(cuda=NS(runtime=rt, driver=NS(
+            launchKernel=lambda func, grid, *rest: launched.append((func, rest[6])))))
+        return backend.bind(p), launched
+
+    rt = _LauncherRuntime()
+    run, launched = launcher(rt)
+    streams = 2 if split else 1
+
+    def call(cv, optr=1 << 20):
+        rt.log.clear()
+        launched.clear()
+        run(None, None, None, None, optr, 2 << 20, 3 << 20, 0, cv)
+        return [e[0] for e in rt.log]
+
+    assert call(0.0) == [] and [s for _, s in launched] == [77] * 3  # plain, recorded
+    built = call(0.0)  # built, then launched on the call's stream
+    assert built.count("streamCreateWithFlags") == streams
+    assert built.count("streamBeginCapture") == 1 and built[-1] == "graphLaunch"
+    assert rt.log[-1] == ("graphLaunch", 5, 77)
+    assert len(launched) == 3 * streams and 77 not in [s for _, s in launched]
+    assert call(0.0) == ["graphLaunch"] and launched == []  # replayed
+    assert call(-0.0) == [] and len(launched) == 3  # another key: plain, recorded
+    assert "graphInstantiate" in call(-0.0)
+    assert call(0.0, optr=5 << 20) == [] and len(launched) == 3  # other addresses
+    assert len(run.replays[0].graphs) == 2  # 0.0's and -0.0's
+
+    rt = _LauncherRuntime(fail_capture=True)
+    run, launched = launcher(rt)
+    call(0.0)
+    assert "streamBeginCapture" in call(0.0)  # tried, failed, then launched plainly
+    assert [s for _, s in launched] == [77] * 3 and run.replays[0] is None
+    assert call(0.0) == [] and len(launched) == 3  # plain from now on
+
+
 def test_only_large_replays_split_the_batch():
     """Replays run the batch's halves on two graph branches from REPLAY_SPLIT_BYTES of
     gamma's and out's channel diagonals on: the bench's `mid` (292 MB) and half of it do,
