@@ -82,6 +82,14 @@ class Problem:
         leaves out bit-identical (out + c * 0 would turn -0.0 into +0.0)."""
         return 0 in (self.B, self.Co, self.Ho, self.Wo, self.Ci, self.H, self.W)
 
+    def diagonal_bytes(self) -> tuple[int, int]:
+        """(bytes of gamma's channel diagonal, 0 without gamma; bytes of out's): what the
+        operation reads of gamma, and reads and writes of out (SPEC section 5)."""
+        size = _arrays.ITEMSIZE
+        g = self.gamma_info
+        return (0 if g is None else self.B * self.Ci * (self.H * self.W) ** 2 * size[g.dtype],
+                self.B * self.Co * (self.Ho * self.Wo) ** 2 * size[self.out_info.dtype])
+
     written = 1  # how many of infos (the first) the call writes: launch_streams
 
     @property

@@ -936,13 +936,18 @@ def test_only_large_replays_split_the_batch():
     """Replays run the batch's halves on two graph branches from REPLAY_SPLIT_BYTES of
     gamma's and out's channel diagonals on: the bench's `mid` (292 MB) and half of it do,
     a quarter of it (slower split on the H200: docs/cupy.md, "Replays") does not."""
-    from types import SimpleNamespace as NS
+    import dataclasses
 
+    from convcov import _frontend
     from convcov.backends import cupy as mod
 
-    def mid(B, gamma="float32"):
-        return NS(B=B, Ci=32, Co=32, H=16, W=16, Ho=14, Wo=14, out_info=NS(dtype="float32"),
-                  gamma_info=gamma and NS(dtype=gamma))
+    rng = np.random.default_rng(6)
+    small = _frontend.normalise(*_problem(rng, "numpy", ["float32"] * 4, ["contiguous"] * 3)[:5],
+                                1, 0, 1, 2)
+
+    def mid(B, gamma="float32"):  # a problem with mid's sizes (no arrays that large)
+        return dataclasses.replace(small, B=B, Ci=32, Co=32, H=16, W=16, Ho=14, Wo=14,
+                                   gamma_info=gamma and small.gamma_info)
 
     assert mod._moved(mid(16)) == 16 * (32 * 256**2 + 2 * 32 * 196**2) * 4
     assert mod._moved(mid(16)) >= mod._moved(mid(8)) >= mod.REPLAY_SPLIT_BYTES

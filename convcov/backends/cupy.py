@@ -1279,10 +1279,9 @@ class _Replays:
 
 
 def _moved(p):
-    """Bytes of gamma's channel diagonal and of out's (read and written) in problem p."""
-    gamma = 0 if p.gamma_info is None else p.Ci * (p.H * p.W) ** 2 * _DTYPES[
-        p.gamma_info.dtype][2]
-    return p.B * (gamma + 2 * p.Co * (p.Ho * p.Wo) ** 2 * _DTYPES[p.out_info.dtype][2])
+    """Bytes problem p moves: gamma's channel diagonal read, out's read and written."""
+    gamma, out = p.diagonal_bytes()
+    return gamma + 2 * out
 
 
 def _batch(plan, p):

@@ -62,7 +62,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from .._arrays import diag_strides
+from .._arrays import ITEMSIZE as _ITEMSIZE, diag_strides
 from .._registry import Backend
 
 # ---------------------------------------------------------------------------------------
@@ -1039,9 +1039,6 @@ PREFETCH_FROM_BYTES = 8 << 20
 #: non-temporal stores (measured on the ``cpu`` shapes, docs/numba.md).
 STREAM_FROM_BYTES = 8 << 20
 
-_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
-
-
 _O_ADDR, _G_ADDR, _M_ADDR, _C_ADDR, _PAIRS = (
     _PRM.index(n) for n in ("o_addr", "g_addr", "m_addr", "c_addr", "pairs"))
 
@@ -1057,14 +1054,12 @@ def _params(p):
         c_part = (0, _CODE[ci.dtype], ci.strides[0] if ci.strides else 0)
     o, gi, m = p.out_info, p.gamma_info, p.mu_info
     o_part = (0, _CODE[o.dtype]) + diag_strides(o.strides, p.full_out)
-    diag_bytes = p.B * p.Co * (p.Ho * p.Wo) ** 2 * _ITEMSIZE[o.dtype]
     if gi is None:
         g_part = (0, ABSENT, 0, 0, 0, 0, 0, 0)
     else:
         g_part = (0, _CODE[gi.dtype]) + diag_strides(gi.strides, p.full_gamma)
-        diag_bytes += p.B * p.Ci * (p.H * p.W) ** 2 * _ITEMSIZE[gi.dtype]
     pf = (0, 0)
-    if diag_bytes >= PREFETCH_FROM_BYTES:
+    if sum(p.diagonal_bytes()) >= PREFETCH_FROM_BYTES:
         g_plane = p.H * p.W * (2 if gi is None else _ITEMSIZE[gi.dtype])
         pf = (max(1, PREFETCH_BYTES // g_plane),
               max(1, PREFETCH_BYTES // (p.Ho * p.Wo * _ITEMSIZE[o.dtype])))
