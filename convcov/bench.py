@@ -157,7 +157,7 @@ class _Host:
         return ts
 
     def describe(self):
-        return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+        return host_cpu()
 
 
 class _Cuda:
@@ -448,11 +448,28 @@ def run(device="cpu", workloads=None, backends=None, with_torch=True, repeat=200
                                progress, task)
     return dict(
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        device=device, machine=dev.describe(), convcov=convcov.__version__,
+        device=device, machine=dev.describe(), host=host_cpu(), convcov=convcov.__version__,
         versions=_versions(), copy_bandwidth_GBps=bandwidth / 1e9, rounds=rounds,
         workloads=[asdict(w) for w in chosen], rows=[asdict(r) for r in rows],
         not_measured=_not_measured(dev, backends),
     )
+
+
+def host_cpu() -> str:
+    """The host's processor model and core count. The model is recorded because this
+    project's 2-core machines have not always been the same processor (an AMD EPYC until
+    2026-11-30, an Intel Xeon since 2026-12-01, with a third of the memory speed), and a
+    host timing means nothing without it."""
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as f:  # Linux; platform.processor() says only "x86_64"
+            for line in f:
+                if line.startswith(("model name", "Model", "Hardware")):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{model or platform.processor() or platform.machine()}, {os.cpu_count()} cores"
 
 
 def _versions():
@@ -470,7 +487,11 @@ def table(result: dict):
     """A rich Table of one run."""
     from rich.table import Table
 
-    t = Table(title=f"convcov bench on {result['machine']} ({result['date']}); "
+    host = result.get("host")  # (absent from runs recorded before 2026-12-01 12:30 UTC)
+    on = result["machine"]
+    if host not in (None, on):
+        on = f"{on} (host: {host})"
+    t = Table(title=f"convcov bench on {on} ({result['date']}); "
                     f"copy bandwidth {result['copy_bandwidth_GBps']:.1f} GB/s")
     for col in ("workload", "impl", "median µs", "floor µs", "fraction of floor",
                 "rel. error", "calls"):

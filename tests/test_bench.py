@@ -183,3 +183,36 @@ def test_gradient_rows_are_grouped_too(monkeypatch):
 def test_the_recorded_rounds_are_the_rounds_used():
     assert bench.run("cpu", ["toy"], ["numpy"], False, repeat=2, budget_s=0.01,
                      rounds=5)["rounds"] == 2
+
+
+def test_the_host_cpu_is_named(monkeypatch, tmp_path):
+    """The host's processor model comes from /proc/cpuinfo where there is one (this
+    project's machines changed model between two days: docs/performance.md, "Host"), and
+    from platform where not; the table names it beside a GPU."""
+    import builtins
+
+    fake = tmp_path / "cpuinfo"
+    fake.write_text("processor\t: 0\nvendor_id\t: GenuineIntel\n"
+                    "model name\t: Intel(R) Xeon(R) Processor\nflags\t: fpu\n")
+    real_open = builtins.open
+    monkeypatch.setattr(builtins, "open", lambda f, *a, **k: real_open(
+        fake if f == "/proc/cpuinfo" else f, *a, **k))
+    monkeypatch.setattr(bench.os, "cpu_count", lambda: 2)
+    assert bench.host_cpu() == "Intel(R) Xeon(R) Processor, 2 cores"
+    assert bench._Host().describe() == bench.host_cpu()
+
+    def missing(f, *a, **k):
+        if f == "/proc/cpuinfo":
+            raise FileNotFoundError(f)
+        return real_open(f, *a, **k)
+
+    monkeypatch.setattr(builtins, "open", missing)
+    monkeypatch.setattr(bench.platform, "processor", lambda: "arm")
+    assert bench.host_cpu() == "arm, 2 cores"
+
+    from rich.console import Console
+    result = dict(machine="NVIDIA H200, 132 SMs, 139 GiB", host="Xeon, 2 cores",
+                  date="2026-12-01", copy_bandwidth_GBps=4000.0, rows=[])
+    console = Console(record=True, width=200)
+    console.print(bench.table(result))
+    assert "NVIDIA H200, 132 SMs, 139 GiB (host: Xeon, 2 cores)" in console.export_text()
