@@ -161,7 +161,10 @@ def _store_fence(typingctx):
     return types.none(), codegen
 
 
-def _prefetcher(rw):
+def _prefetcher(rw, locality=3):
+    """An intrinsic prefetching the line at a byte address: ``rw`` 0 read, 1 write;
+    ``locality`` 3 (into every cache level: prefetcht0 / prefetchw) down to 0 (nta)."""
+
     @intrinsic
     def prefetch(typingctx, addr):
         def codegen(context, builder, sig, args):
@@ -170,7 +173,8 @@ def _prefetcher(rw):
             fn = cgutils.get_or_insert_function(
                 builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
                 "llvm.prefetch.p0")
-            builder.call(fn, [builder.inttoptr(args[0], i8p), i32(rw), i32(3), i32(1)])
+            builder.call(fn, [builder.inttoptr(args[0], i8p), i32(rw), i32(locality),
+                              i32(1)])
             return context.get_dummy_value()
 
         return types.none(addr), codegen
