@@ -389,9 +389,11 @@ def test_non_finite_values_propagate_like_the_reference():
     np.testing.assert_allclose(got[fin], ref[fin], rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
 def test_several_chunks_and_prefetching(monkeypatch, dtype):
-    """Small problems run as one chunk without prefetching; force both code paths."""
+    """Small problems run as one chunk without prefetching; force both code paths. (Five
+    channels a group: four-channel passes, whose prefetch is spread over their sums, with
+    planes ahead past a task's end, and single ones, which prefetch in a burst.)"""
     monkeypatch.setattr(nbb, "CHUNK_BYTES", 1)  # one (b, g) pair per chunk
     monkeypatch.setattr(nbb, "PREFETCH_FROM_BYTES", 0)
     monkeypatch.setattr(nbb, "PREFETCH_BYTES", 64)

@@ -25,6 +25,9 @@ the median of the rounds' medians of 40 calls.
   order, with the same prefetch (8 planes ahead), both cores.
 
 Usage: ``python docs/results/scripts/cpu_parts.py [rounds]`` from the repository root.
+Its variants edit the kernel's source as it was up to commit 46e50e6; since the
+twenty-fifth session the four-channel passes spread their prefetch (what ``p1 spread
+prefetch`` measured), and those edits no longer apply: check out 46e50e6 to rerun it.
 """
 import statistics
 import sys
