@@ -932,6 +932,78 @@ def test_bound_launcher_replays_on_host(monkeypatch, split):
     assert call(0.0) == [] and len(launched) == 3  # plain from now on
 
 
+class _DeviceRuntime(_LauncherRuntime):
+    """_LauncherRuntime whose current device setDevice changes; ``at`` records which
+    device was current at each runtime call."""
+
+    def __init__(self):
+        super().__init__()
+        self.dev, self.at = 0, []
+
+    def getDevice(self):
+        return self.dev
+
+    def setDevice(self, dev):
+        self.dev = dev
+
+    def streamBeginCapture(self, *args):
+        self.at.append(("streamBeginCapture", self.dev))
+        return super().streamBeginCapture(*args)
+
+    def __getattr__(self, name):
+        inner = super().__getattr__(name)
+
+        def call(*args):
+            self.at.append((name, self.dev))
+            return inner(*args)
+
+        return call
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_bound_launcher_works_on_the_arrays_device_on_host(monkeypatch, split):
+    """Arrays on device 1 while the caller's current device is 0 (host, stand-in runtime
+    and driver): every kernel launch, the graph's capture and instantiation and its
+    launches happen with device 1 current, and device 0 is current again after each call.
+    (The two-GPU machine kind runs the real thing: test_second_gpu.)"""
+    import dataclasses
+    from types import SimpleNamespace as NS
+
+    from convcov import _frontend
+    from convcov.backends import cupy as mod
+
+    monkeypatch.setattr(mod, "REPLAY_SPLIT_BYTES", 0 if split else 1 << 62)
+    monkeypatch.setattr(mod, "torch_stream_getter", lambda: (lambda dev: 70 + dev))
+    monkeypatch.setattr(mod, "kept_torch_scratch", lambda nbytes, dev, stream: 4096 * (dev + 1))
+    _force(monkeypatch, "three")
+    rng = np.random.default_rng(7)
+    out, g, mu, c, k, conv = _problem(rng, "numpy", ["float32"] * 4, ["contiguous"] * 3,
+                                      c_form="number")
+    p = _frontend.normalise(out, g, mu, c, k, conv["stride"], conv["padding"],
+                            conv["dilation"], conv["groups"])
+    p = dataclasses.replace(p, kind="torch", device=("cuda", 1))
+    rt, launched = _DeviceRuntime(), []
+    backend = _host_backend((4, 256))
+    backend._cp = NS(cuda=NS(runtime=rt, driver=NS(
+        launchKernel=lambda func, grid, *rest: launched.append((rest[6], rt.dev)))))
+    run = backend.bind(p)
+    assert rt.dev == 0
+    for i in range(3):  # plain, built and launched, replayed
+        rt.at.clear()
+        launched.clear()
+        run(None, None, None, None, 1 << 20, 2 << 20, 3 << 20, 0, 0.5)
+        assert rt.dev == 0  # the caller's device again
+        assert launched if i < 2 else not launched
+        assert all(dev == 1 for _, dev in launched)
+        if i == 0:
+            assert all(stream == 71 for stream, _ in launched)  # device 1's stream
+        names = [n for n, _ in rt.at]
+        assert ("graphLaunch" in names) == (i > 0)
+        assert ("graphInstantiate" in names) == (i == 1)
+        assert all(dev == 1 for _, dev in rt.at)
+    assert len(run.replays[0].graphs) == 1
+
+
 def test_only_large_replays_split_the_batch():
     """Replays run the batch's halves on two graph branches from REPLAY_SPLIT_BYTES of
     gamma's and out's channel diagonals on: the bench's `mid` (292 MB) and half of it do,
