@@ -871,6 +871,28 @@ class _LauncherRuntime(_FakeRuntime):
             raise RuntimeError("capture refused")
 
 
+def _bound_problem(monkeypatch, split, seed, device, stream_of, scratch_at):
+    """A small torch-kind Problem on CUDA device ``device`` for cupy's bound launcher on
+    the host (host planner, three launches), with its stream and kept scratch stood in:
+    ``stream_of(dev)``, ``scratch_at(dev)``; replays split the batch when ``split``."""
+    import dataclasses
+
+    from convcov import _frontend
+    from convcov.backends import cupy as mod
+
+    monkeypatch.setattr(mod, "REPLAY_SPLIT_BYTES", 0 if split else 1 << 62)
+    monkeypatch.setattr(mod, "torch_stream_getter", lambda: stream_of)
+    monkeypatch.setattr(mod, "kept_torch_scratch",
+                        lambda nbytes, dev, stream: scratch_at(dev))
+    _force(monkeypatch, "three")
+    rng = np.random.default_rng(seed)
+    out, g, mu, c, k, conv = _problem(rng, "numpy", ["float32"] * 4, ["contiguous"] * 3,
+                                      c_form="number")
+    p = _frontend.normalise(out, g, mu, c, k, conv["stride"], conv["padding"],
+                            conv["dilation"], conv["groups"])
+    return dataclasses.replace(p, kind="torch", device=("cuda", device))
+
+
 @pytest.mark.parametrize("split", [False, True])
 def test_bound_launcher_replays_on_host(monkeypatch, split):
     """The bound launcher's replay logic (host, stand-in CuPy runtime and driver, the host
@@ -878,22 +900,9 @@ def test_bound_launcher_replays_on_host(monkeypatch, split):
     graph (two capture streams when split) and launches it on the call's stream, the
     third only launches it; 0.0 and -0.0 as c are two keys, as are other addresses; a
     capture that fails leaves that call and the later ones to plain launches."""
-    import dataclasses
     from types import SimpleNamespace as NS
 
-    from convcov import _frontend
-    from convcov.backends import cupy as mod
-
-    monkeypatch.setattr(mod, "REPLAY_SPLIT_BYTES", 0 if split else 1 << 62)
-    monkeypatch.setattr(mod, "torch_stream_getter", lambda: (lambda dev: 77))
-    monkeypatch.setattr(mod, "kept_torch_scratch", lambda nbytes, dev, stream: 4096)
-    _force(monkeypatch, "three")
-    rng = np.random.default_rng(5)
-    out, g, mu, c, k, conv = _problem(rng, "numpy", ["float32"] * 4, ["contiguous"] * 3,
-                                      c_form="number")
-    p = _frontend.normalise(out, g, mu, c, k, conv["stride"], conv["padding"],
-                            conv["dilation"], conv["groups"])
-    p = dataclasses.replace(p, kind="torch", device=("cuda", 0))
+    p = _bound_problem(monkeypatch, split, 5, 0, lambda dev: 77, lambda dev: 4096)
 
     def launcher(rt):
         backend = _host_backend((4, 256))
@@ -966,22 +975,10 @@ def test_bound_launcher_works_on_the_arrays_device_on_host(monkeypatch, split):
     and driver): every kernel launch, the graph's capture and instantiation and its
     launches happen with device 1 current, and device 0 is current again after each call.
     (The two-GPU machine kind runs the real thing: test_second_gpu.)"""
-    import dataclasses
     from types import SimpleNamespace as NS
 
-    from convcov import _frontend
-    from convcov.backends import cupy as mod
-
-    monkeypatch.setattr(mod, "REPLAY_SPLIT_BYTES", 0 if split else 1 << 62)
-    monkeypatch.setattr(mod, "torch_stream_getter", lambda: (lambda dev: 70 + dev))
-    monkeypatch.setattr(mod, "kept_torch_scratch", lambda nbytes, dev, stream: 4096 * (dev + 1))
-    _force(monkeypatch, "three")
-    rng = np.random.default_rng(7)
-    out, g, mu, c, k, conv = _problem(rng, "numpy", ["float32"] * 4, ["contiguous"] * 3,
-                                      c_form="number")
-    p = _frontend.normalise(out, g, mu, c, k, conv["stride"], conv["padding"],
-                            conv["dilation"], conv["groups"])
-    p = dataclasses.replace(p, kind="torch", device=("cuda", 1))
+    p = _bound_problem(monkeypatch, split, 7, 1, lambda dev: 70 + dev,
+                       lambda dev: 4096 * (dev + 1))
     rt, launched = _DeviceRuntime(), []
     backend = _host_backend((4, 256))
     backend._cp = NS(cuda=NS(runtime=rt, driver=NS(
