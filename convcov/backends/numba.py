@@ -656,25 +656,18 @@ def _kernel(prm, c_value, M):
                 while ci < (g + 1) * Cg:
                     step = 4 if quads and ci + 4 <= (g + 1) * Cg else 1
                     p0 = p1 = p2 = p3 = 0
-                    if with_gamma and PF_GAMMA > 0 and step == 4:
-                        # The four planes PF_GAMMA planes ahead, in (y0, ci) order, asked
-                        # for line by line while these four are summed (_quad_adder).
+                    if with_gamma and PF_GAMMA > 0:
+                        # The planes PF_GAMMA planes ahead, in (y0, ci) order.
                         isz = _itemsize(g_code)
                         at = b * g_b + x0 * g_x0
                         ahead = y0 * Cg + ci - g * Cg + PF_GAMMA
                         p0 = _plane_ahead(g_addr, isz, at, g, Cg, g_c, g_y0, W, ahead)
-                        p1 = _plane_ahead(g_addr, isz, at, g, Cg, g_c, g_y0, W, ahead + 1)
-                        p2 = _plane_ahead(g_addr, isz, at, g, Cg, g_c, g_y0, W, ahead + 2)
-                        p3 = _plane_ahead(g_addr, isz, at, g, Cg, g_c, g_y0, W, ahead + 3)
-                    elif with_gamma and PF_GAMMA > 0:
-                        # Ask for the plane PF_GAMMA planes ahead, in (y0, ci) order.
-                        for q in range(step):
-                            ahead = y0 * Cg + ci + q - g * Cg + PF_GAMMA
-                            if ahead < W * Cg:
-                                _prefetch_plane(g_addr, g_code,
-                                                b * g_b + (g * Cg + ahead % Cg) * g_c
-                                                + x0 * g_x0 + (ahead // Cg) * g_y0,
-                                                g_x1, g_y1, H, W, False)
+                        if step == 4:  # asked for line by line while these four are summed
+                            p1 = _plane_ahead(g_addr, isz, at, g, Cg, g_c, g_y0, W, ahead + 1)
+                            p2 = _plane_ahead(g_addr, isz, at, g, Cg, g_c, g_y0, W, ahead + 2)
+                            p3 = _plane_ahead(g_addr, isz, at, g, Cg, g_c, g_y0, W, ahead + 3)
+                        elif p0 != 0:  # one plane: asked for in one burst, now
+                            _prefetch_plane(p0, g_code, 0, g_x1, g_y1, H, W, False)
                     if step == 4:
                         m0, m1, m2, m3 = (m_at + ci * m_c, m_at + (ci + 1) * m_c,
                                           m_at + (ci + 2) * m_c, m_at + (ci + 3) * m_c)
