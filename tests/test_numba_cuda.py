@@ -15,8 +15,10 @@ what is missing skip and say why.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -40,6 +42,20 @@ gpu = pytest.mark.skipif(not (ON_GPU and torch_cuda()), reason=(
 KINDS = (["torch_cuda"] if torch_cuda() else []) if ON_GPU else ["numpy"]
 
 
+def _no_simulator():
+    """The environment of a test's own process without Numba's CUDA simulator (which
+    conftest.py switches on in this one), with the project on its path."""
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, (root, env.get("PYTHONPATH"))))
+    return env
+
+
+def _beside(name):
+    """Path of a script in this folder."""
+    return str(Path(__file__).with_name(name))
+
+
 def test_probe_reason_is_clear():
     """Available, or unavailable with the cause: never a crash (CI may lack numba-cuda)."""
     rows = {r.name: r for r in convcov.backends()}
@@ -61,14 +77,8 @@ def test_every_kernel_compiles_for_the_gpu():
     simulator is switched on in this one (conftest.py). ``python
     tests/_compile_numba_cuda.py --all`` compiles every variant the plans can ask for
     (662, about six times as long: 5 min here, 2026-12-01)."""
-    import os
-    from pathlib import Path
-
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
-    root = str(Path(__file__).resolve().parents[1])
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, (root, env.get("PYTHONPATH"))))
-    r = subprocess.run([sys.executable, str(Path(__file__).with_name("_compile_numba_cuda.py"))],
-                       env=env, capture_output=True, text=True, timeout=900)
+    r = subprocess.run([sys.executable, _beside("_compile_numba_cuda.py")], env=_no_simulator(),
+                       capture_output=True, text=True, timeout=900)
     if r.returncode == 77:
         pytest.skip(r.stdout.strip())
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
@@ -715,6 +725,78 @@ def test_scratch_from_torchs_allocator():
         del view, mem
     del owner
     assert torch.cuda.memory_allocated() == before
+
+
+@pytest.mark.parametrize("kind, plugin", [("cai", True), ("cai", False), ("torch", True),
+                                          ("cupy", True)])
+def test_scratch_outlives_the_launches_under_a_plugin_allocator(monkeypatch, kind, plugin):
+    """Host, with stand-ins for the launches, the scratch and the driver: with a memory
+    manager plugin (RMM's), a generic array call's scratch is only given back after the
+    launch stream has finished the call's kernels; with Numba's own manager, and for torch
+    and CuPy scratch (their pools order reuse on the launch stream), nothing waits."""
+    import weakref
+
+    mod = sys.modules[type(BACKEND).__module__]
+    events = []
+
+    class Owner:
+        pass
+
+    owners = []
+
+    def workspace(kind_, dev, n, acc, stream):
+        owners.append(weakref.ref(o := Owner()))
+        return o, 4096
+
+    class Driver:
+        class CUresult:
+            CUDA_SUCCESS = 0
+
+        @staticmethod
+        def cuStreamSynchronize(stream):
+            events.append(("sync", stream, owners[0]() is not None))
+            return (0,)
+
+    class Plan:
+        scratch, t_offset = 64, 128
+        launches = [lambda stream, values, i=i: events.append(("launch", i)) for i in range(3)]
+
+    monkeypatch.setattr(mod, "_workspace", workspace)
+    monkeypatch.setattr(mod, "_plugin_allocator", lambda dev: plugin)
+    monkeypatch.setattr(mod, "_driver_stream", lambda handle: f"stream {handle}")
+    monkeypatch.setattr(mod, "_drv", Driver)
+    mod._launch_plan(Plan, kind, 7, 0, "float32", 1, 2, 3, 0, 1.5)
+    launches = [("launch", i) for i in range(3)]
+    if kind == "cai" and plugin:
+        assert events == launches + [("sync", "stream 7", True)]  # scratch still held
+    else:
+        assert events == launches
+    assert owners[0]() is None  # given back when the call returns
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device (this run: "
+                    + ("the CUDA simulator" if SIM else f"{REASON}") + ")")
+@pytest.mark.parametrize("guard", [True, False])
+def test_scratch_under_rmm(guard):
+    """On a GPU, with RMM's Numba plugin on a pool (tests/_rmm_scratch.py, its own
+    process): another block taken right after a call on a non-blocking stream, while the
+    call's kernels still wait behind a spin, must not be written by them, and out must be
+    right. Without the guard (the code before it) the same run must show the race, where
+    RMM gave the scratch block out again: so the check can fail."""
+    r = subprocess.run([sys.executable, _beside("_rmm_scratch.py")]
+                       + ([] if guard else ["--no-guard"]),
+                       env=_no_simulator(), capture_output=True, text=True, timeout=300)
+    text = r.stdout + r.stderr
+    if r.returncode == 77:
+        pytest.skip(r.stdout.strip())
+    if guard:
+        assert r.returncode == 0, text[-4000:]
+        assert "other block intact True" in r.stdout, text[-4000:]
+    elif "scratch block reused True" not in r.stdout:
+        pytest.skip(f"RMM did not give the scratch block out again here: {text[-400:]}")
+    else:
+        assert "kernels queued on return True" in r.stdout, text[-4000:]
+        assert r.returncode == 1 and "other block intact False" in r.stdout, text[-4000:]
 
 
 @gpu

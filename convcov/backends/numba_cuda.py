@@ -1263,6 +1263,7 @@ _device_kernels: dict = {}  # (kernel name, element types, device id) -> driver 
 _streams: dict = {}  # stream handle -> the driver binding's CUstream (a non-owning wrapper)
 _limits: dict = {}  # device id -> Limits
 _plans: dict = {}  # (device id, Problem.layout_key()) -> _Plan
+_plugins: dict = {}  # device id -> whether Numba's memory manager there is a plugin
 _drv = None  # cuda.bindings.driver, imported on the first launch
 
 
@@ -1474,6 +1475,23 @@ def _workspace(kind, dev, n, acc, stream):
         return t, t.data.ptr
     t = cuda.device_array(n, dtype=acc)
     return t, t.__cuda_array_interface__["data"][0]
+
+
+def _plugin_allocator(dev):
+    """Whether Numba's memory manager on device ``dev`` (its context current) is an
+    external plugin (an EMM such as RMM's) rather than Numba's own. Numba's own frees a
+    block with cuMemFree, which waits for the work that may use it, and only later (its
+    deallocations are deferred); a plugin may give the block back to a pool on a stream
+    of its own choosing (RMM's: its default stream), unordered with the launch stream,
+    and hand it out again while the kernels still use it. A context's manager is fixed
+    when the context is made."""
+    plugin = _plugins.get(dev)
+    if plugin is None:
+        from numba.cuda.cudadrv.driver import NumbaCUDAMemoryManager
+
+        manager = type(cuda.current_context().memory_manager)
+        plugin = _plugins[dev] = manager is not NumbaCUDAMemoryManager
+    return plugin
 
 
 class _Slot:
@@ -1767,6 +1785,11 @@ def _launch_plan(plan, kind, handle, dev_id, acc, optr, gptr, mptr, cptr, c_valu
     values = (optr, gptr or mptr, mptr, cptr or optr, sptr, tptr, float(c_value))
     for launch in plan.launches:
         launch(stream, values)
+    if buf is not None and kind == "cai" and _plugin_allocator(dev_id):
+        # The plugin's free is not ordered after the launches: wait for them first.
+        err, = _drv.cuStreamSynchronize(stream)
+        if err != _drv.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"numba_cuda: waiting for the launch stream failed: {err!r}")
     del buf  # freed to the library's stream-ordered pool after the launches
 
 
