@@ -228,6 +228,25 @@ def pointer_device(ptr: int) -> int | None:
     return ordinal.value
 
 
+#: CUstreamCaptureMode (cuda.h): a thread in this mode heeds only its own captures.
+CAPTURE_MODE_THREAD_LOCAL = 1
+
+
+def exchange_capture_mode(mode: int) -> int | None:
+    """Set this thread's stream capture interaction mode (``cuThreadExchangeStreamCaptureMode``;
+    the runtime's mode is the driver's) and return the one it replaces; None, changing
+    nothing, when no driver is loaded. A thread in the default mode ("global") may not
+    make a potentially unsafe CUDA call while any other thread captures in global mode
+    (torch.cuda.graph's default): the call fails, and invalidates that capture."""
+    fn = _driver_function("cuThreadExchangeStreamCaptureMode", (ctypes.c_void_p,))
+    if fn is None:
+        return None
+    value = ctypes.c_int(mode)
+    if fn(ctypes.byref(value)) != 0:
+        return None
+    return value.value
+
+
 #: Stream handles that name a default stream of whichever device is current (the null
 #: handle and CU_STREAM_LEGACY: the legacy one; CU_STREAM_PER_THREAD), not one device's.
 DEFAULT_STREAMS = (0, 1, 2)

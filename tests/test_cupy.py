@@ -550,6 +550,67 @@ def test_repeated_calls_replay_a_graph(path, monkeypatch, split):
     assert len(graphs) == mod._Replays.MAX
 
 
+@gpu
+@need_torch
+@pytest.mark.parametrize("path", ["three"], indirect=True)
+def test_replays_beside_a_global_capture(path, monkeypatch):
+    """Another thread captures a CUDA graph in torch's default mode, "global" (while it
+    captures, a potentially unsafe CUDA call from any thread fails and invalidates that
+    capture), while this thread's repeated call builds its graph and replays it on a
+    side stream. Both must work: the other graph replays right, and out gets its four
+    terms."""
+    import threading
+
+    import torch
+
+    monkeypatch.setattr(_frontend, "_bound", {})
+    rng = np.random.default_rng(31)
+    out, g, mu, c, k, conv = _problem(rng, "torch_cuda", ["float32"] * 4, ["contiguous"] * 3)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    o = out.clone()
+    with torch.cuda.stream(side):
+        convcov.accumulate(o, g, mu, c, k, backend="cupy", **conv)  # binds
+        term = o - out
+        # The launcher's first call: it takes the thread's scratch block, which needs
+        # torch's allocator (and that fails in the other thread's global capture: torch's
+        # own rule), and sees the key for the first time.
+        convcov.accumulate(o, g, mu, c, k, backend="cupy", **conv)
+    side.synchronize()
+    x = torch.arange(4096.0, device="cuda")
+    y = torch.zeros_like(x)
+    graph = torch.cuda.CUDAGraph()
+    capturing, done, errors = threading.Event(), threading.Event(), []
+
+    def capture():
+        try:
+            with torch.cuda.graph(graph, capture_error_mode="global"):
+                y.copy_(x * 2)
+                capturing.set()
+                done.wait(60)
+        except Exception as exc:  # reported below
+            errors.append(exc)
+        finally:
+            capturing.set()
+
+    t = threading.Thread(target=capture)
+    t.start()
+    try:
+        assert capturing.wait(60)
+        with torch.cuda.stream(side):
+            for _ in range(2):  # builds the graph and launches it; replays it
+                convcov.accumulate(o, g, mu, c, k, backend="cupy", **conv)
+    finally:
+        done.set()
+        t.join(60)
+    side.synchronize()
+    assert not errors, errors
+    assert [len(r) for r in _launcher_replays()] == [1]
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, x * 2)
+    torch.testing.assert_close(o, out + 4 * term, rtol=1e-5, atol=1e-5)
+
 
 class _FakeRuntime:
     """Stand-in for CuPy's runtime module: records the graph calls _Replays makes."""
@@ -568,12 +629,13 @@ class _FakeRuntime:
         return call
 
 
-def test_replays_capture_on_private_streams():
+def test_replays_capture_on_private_streams(monkeypatch):
     """_Replays.build (host, stand-in runtime): one chain is captured on a new non-blocking
     stream in thread-local mode, two on two streams forked from and joined back to the
     first; the graph is instantiated; the graph template, streams and events are destroyed
-    either way; at most MAX graphs; a failing launch ends the capture, stores nothing and
-    raises (the launcher then stops replaying)."""
+    either way; the thread heeds only its own captures while it builds, and gets its mode
+    back after, either way; at most MAX graphs; a failing launch ends the capture, stores
+    nothing and raises (the launcher then stops replaying)."""
     import array
 
     from convcov.backends import cupy as mod
@@ -582,6 +644,11 @@ def test_replays_capture_on_private_streams():
         launches = [mod._Launch(f"f{i}", 4 + i, array.array("q", [0] * len(mod._FIELDS)))
                     for i in range(3)]
 
+    def exchange(mode):  # the thread's capture mode: 0 (global) until the build sets 1
+        rt.log.append(("exchange mode", mode))
+        return 0
+
+    monkeypatch.setattr(mod, "exchange_capture_mode", exchange)
     whole = mod._Offsets(0, 0, 0, 0, 256)
     rt, launched = _FakeRuntime(), []
 
@@ -594,9 +661,10 @@ def test_replays_capture_on_private_streams():
     exe = r.build("k0", launch_kernel, [(mod._slots(Plan), whole)], 1000, 1, 2, 3, 4, 0.0)
     assert exe == 5 and r.graphs == {"k0": 5}
     assert launched == [("f0", 4, 11), ("f1", 5, 11), ("f2", 6, 11)]
-    assert rt.log == [("streamCreateWithFlags", 1), ("streamBeginCapture", 11, 2),
-                      ("streamEndCapture", 11), ("graphInstantiate", 7), ("graphDestroy", 7),
-                      ("streamDestroy", 11)]
+    assert rt.log == [("exchange mode", 1), ("streamCreateWithFlags", 1),
+                      ("streamBeginCapture", 11, 2), ("streamEndCapture", 11),
+                      ("graphInstantiate", 7), ("graphDestroy", 7), ("streamDestroy", 11),
+                      ("exchange mode", 0)]
 
     rt.log.clear()
     launched.clear()
@@ -607,13 +675,15 @@ def test_replays_capture_on_private_streams():
                                            (9, 10, 11, 4, 1320, 1064)]):
         for slot in slots:  # out, gamma, mu, c, T (S + off.t), S: offset per chain
             assert tuple(slot[2][:6]) == addresses
-    assert rt.log == [("streamCreateWithFlags", 1), ("streamCreateWithFlags", 1),
+    assert rt.log == [("exchange mode", 1),
+                      ("streamCreateWithFlags", 1), ("streamCreateWithFlags", 1),
                       ("eventCreateWithFlags", 3), ("eventCreateWithFlags", 3),
                       ("streamBeginCapture", 12, 2), ("eventRecord", 14, 12),
                       ("streamWaitEvent", 13, 14), ("eventRecord", 15, 13),
                       ("streamWaitEvent", 12, 15), ("streamEndCapture", 12),
                       ("graphInstantiate", 7), ("graphDestroy", 7), ("eventDestroy", 15),
-                      ("eventDestroy", 14), ("streamDestroy", 13), ("streamDestroy", 12)]
+                      ("eventDestroy", 14), ("streamDestroy", 13), ("streamDestroy", 12),
+                      ("exchange mode", 0)]
 
     for i in range(2, mod._Replays.MAX):
         assert r.build(f"k{i}", launch_kernel, two, 1000, 1, 2, 3, 4, 0.0) == 5
@@ -625,8 +695,10 @@ def test_replays_capture_on_private_streams():
     r = mod._Replays(rt)
     with pytest.raises(RuntimeError, match="launch failed"):
         r.build("k", launch_kernel, [(mod._slots(Plan), whole)], 1000, 1, 2, 3, 4, 0.0)
-    assert [e[0] for e in rt.log] == ["streamCreateWithFlags", "streamBeginCapture",
-                                      "streamEndCapture", "graphDestroy", "streamDestroy"]
+    assert [e[0] for e in rt.log] == ["exchange mode", "streamCreateWithFlags",
+                                      "streamBeginCapture", "streamEndCapture", "graphDestroy",
+                                      "streamDestroy", "exchange mode"]
+    assert rt.log[-1] == ("exchange mode", 0)
     assert r.graphs == {}
 
 

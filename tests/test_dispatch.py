@@ -210,8 +210,31 @@ def test_pointer_device_never_loads_the_driver():
         pytest.skip("a CUDA driver is loaded in this process")
     assert _arrays.pointer_device(0x10000000) is None
     assert _arrays.stream_device(0x5000) is None
+    assert _arrays.exchange_capture_mode(_arrays.CAPTURE_MODE_THREAD_LOCAL) is None
     assert _arrays.info(FakeCudaArray((1,), ptr=0x10000000), "x").device == ("cuda", None)
     assert not _libcuda_loaded() and not _arrays._driver_functions
+
+
+def test_capture_mode_exchange(monkeypatch):
+    """exchange_capture_mode gives the driver the new mode and returns the one it had; a
+    driver error changes nothing and returns None. The driver is a stand-in here; on a
+    GPU, the real one (where a driver is loaded: test_cupy.py's global capture test)."""
+    modes = [0]
+
+    def driver_exchange(ref):
+        if modes[-1] == "fail":
+            return 1
+        modes.append(ref._obj.value)
+        ref._obj.value = modes[-2]
+        return 0
+
+    monkeypatch.setitem(_arrays._driver_functions, "cuThreadExchangeStreamCaptureMode",
+                        driver_exchange)
+    assert _arrays.exchange_capture_mode(_arrays.CAPTURE_MODE_THREAD_LOCAL) == 0
+    assert _arrays.exchange_capture_mode(0) == 1
+    assert modes == [0, 1, 0]
+    modes.append("fail")
+    assert _arrays.exchange_capture_mode(1) is None
 
 
 def test_a_stream_of_another_device_is_refused(fakes, monkeypatch):

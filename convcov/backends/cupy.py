@@ -61,8 +61,9 @@ import contextlib
 import struct
 import threading
 
-from .._arrays import (CAPTURED, KEEP_SCRATCH, contiguous, diag_strides, kept_torch_scratch,
-                       launch_streams, torch_scratch, torch_stream_getter, vector_width)
+from .._arrays import (CAPTURE_MODE_THREAD_LOCAL, CAPTURED, KEEP_SCRATCH, contiguous,
+                       diag_strides, exchange_capture_mode, kept_torch_scratch, launch_streams,
+                       torch_scratch, torch_stream_getter, vector_width)
 from .._errors import BackendError
 from .._registry import Backend
 
@@ -1239,6 +1240,10 @@ class _Replays:
             if len(self.graphs) >= self.MAX:
                 return None
             made = []  # streams and events to destroy
+            # Heed only this thread's captures while building: under another thread's
+            # global capture (torch.cuda.graph's default), a call below failed and
+            # invalidated that capture (H200, 2026-12-01).
+            mode = exchange_capture_mode(CAPTURE_MODE_THREAD_LOCAL)
             try:
                 streams = []
                 for _ in chains:
@@ -1274,6 +1279,8 @@ class _Replays:
             finally:
                 for destroy, handle in reversed(made):
                     destroy(handle)
+                if mode is not None:
+                    exchange_capture_mode(mode)
             self.graphs[key] = exe
             return exe
 
