@@ -251,6 +251,72 @@ def test_a_stream_being_captured_is_refused(backend, path):
 
 
 @backend_names
+@pytest.mark.parametrize("path", ["direct"], indirect=True)
+def test_first_call_beside_a_global_capture(backend, path, monkeypatch):
+    """Another thread captures a CUDA graph in global mode (torch.cuda.graph's default:
+    while it captures, a potentially unsafe CUDA call from any thread in the default mode
+    fails and invalidates that capture) while this thread makes its first call of a
+    signature, so that the backend compiles and loads its kernels then. Both must work.
+    One launch with no scratch: CuPy arrays made beforehand, on a stream of this thread
+    (an allocation would be the array library's business)."""
+    import threading
+
+    from convcov import _registry
+    from convcov.backends import numba_cuda as numba_cuda_mod
+
+    cupy_backend = _registry.get("cupy")
+    for name in ("_modules", "_functions"):  # the kernels are loaded afresh
+        monkeypatch.setattr(cupy_backend, name, {})
+    for name in ("_compiled", "_device_kernels"):
+        monkeypatch.setattr(numba_cuda_mod, name, {})
+    out_h, gamma_h, mu_h, c_h, conv, want = _problem(11)
+    out, g, mu, c = (cupy.asarray(a) for a in (out_h, gamma_h, mu_h, c_h))
+    x = cupy.arange(4096, dtype=cupy.float32)
+    y = cupy.zeros_like(x)
+    rt = cupy.cuda.runtime
+    capturing, done, errors, graphs = threading.Event(), threading.Event(), [], []
+    cupy.cuda.Device().synchronize()
+
+    def capture():
+        cs = cupy.cuda.Stream(non_blocking=True)
+        try:
+            rt.streamBeginCapture(cs.ptr, rt.streamCaptureModeGlobal)
+            try:
+                with cs:
+                    y[...] = x
+                    y[...] *= 2
+                capturing.set()
+                done.wait(300)
+            finally:
+                graphs.append(rt.streamEndCapture(cs.ptr))  # raises if invalidated
+            exe = rt.graphInstantiate(graphs[0])
+            rt.graphLaunch(exe, cs.ptr)
+            cs.synchronize()
+            rt.graphExecDestroy(exe)
+        except Exception as exc:  # reported below
+            errors.append(exc)
+        finally:
+            capturing.set()
+
+    t = threading.Thread(target=capture)
+    t.start()
+    mine = cupy.cuda.Stream(non_blocking=True)
+    try:
+        assert capturing.wait(60)
+        with mine:
+            convcov.accumulate(out, g, mu, c, 3, backend=backend, **conv)
+    finally:
+        done.set()
+        t.join(300)
+    mine.synchronize()
+    for graph in graphs:
+        rt.graphDestroy(graph)
+    assert not errors, errors
+    np.testing.assert_array_equal(cupy.asnumpy(y), 2 * cupy.asnumpy(x))
+    _close(out, want)
+
+
+@backend_names
 def test_backward_orders_both_gradients_streams(backend):
     """The backward writes two arrays. grad_gamma names a stream held by a spin (the
     launch goes there, behind it) and grad_mu names another, idle one: a copy queued on
