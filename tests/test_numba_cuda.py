@@ -767,11 +767,21 @@ def test_scratch_outlives_the_launches_under_a_plugin_allocator(monkeypatch, kin
     monkeypatch.setattr(mod, "_drv", Driver)
     mod._launch_plan(Plan, kind, 7, 0, "float32", 1, 2, 3, 0, 1.5)
     launches = [("launch", i) for i in range(3)]
-    if kind == "cai" and plugin:
-        assert events == launches + [("sync", "stream 7", True)]  # scratch still held
-    else:
-        assert events == launches
+    waits = kind == "cai" and plugin
+    assert events == launches + ([("sync", "stream 7", True)] if waits else [])
     assert owners[0]() is None  # given back when the call returns
+
+    # A launch that fails: those queued before it are still waited for.
+    def fails(stream, values):
+        raise RuntimeError("launch failed")
+
+    Plan.launches = Plan.launches[:1] + [fails]
+    events.clear()
+    owners.clear()
+    with pytest.raises(RuntimeError, match="launch failed"):
+        mod._launch_plan(Plan, kind, 7, 0, "float32", 1, 2, 3, 0, 1.5)
+    assert events == [("launch", 0)] + ([("sync", "stream 7", True)] if waits else [])
+    assert owners[0]() is None
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device (this run: "

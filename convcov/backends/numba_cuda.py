@@ -1783,13 +1783,16 @@ def _launch_plan(plan, kind, handle, dev_id, acc, optr, gptr, mptr, cptr, c_valu
         tptr = sptr + plan.t_offset
     # An absent gamma or a number c: any valid address (never read) of the right kind.
     values = (optr, gptr or mptr, mptr, cptr or optr, sptr, tptr, float(c_value))
-    for launch in plan.launches:
-        launch(stream, values)
-    if buf is not None and kind == "cai" and _plugin_allocator(dev_id):
-        # The plugin's free is not ordered after the launches: wait for them first.
-        err, = _drv.cuStreamSynchronize(stream)
-        if err != _drv.CUresult.CUDA_SUCCESS:
-            raise RuntimeError(f"numba_cuda: waiting for the launch stream failed: {err!r}")
+    wait = buf is not None and kind == "cai" and _plugin_allocator(dev_id)
+    try:
+        for launch in plan.launches:
+            launch(stream, values)
+    finally:
+        # A plugin's free is not ordered after the launches: wait for those queued (also
+        # when a later one failed) before the block goes back.
+        err = _drv.cuStreamSynchronize(stream)[0] if wait else None
+    if wait and err != _drv.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"numba_cuda: waiting for the launch stream failed: {err!r}")
     del buf  # freed to the library's stream-ordered pool after the launches
 
 
