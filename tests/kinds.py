@@ -220,6 +220,36 @@ def at_once(n: int, work) -> None:
     assert not errors, errors
 
 
+def beside_a_capture(capture, work, timeout: float = 300) -> list:
+    """Run ``work()`` in this thread while another thread runs ``capture(hold)``: the other
+    thread begins a CUDA graph capture, calls ``hold()`` (which returns once ``work`` is
+    done), and ends its capture. The exceptions the capturing thread raised, for the
+    caller to check (an invalidated capture raises when it ends)."""
+    capturing, done, errors = threading.Event(), threading.Event(), []
+
+    def hold():
+        capturing.set()
+        done.wait(timeout)
+
+    def other():
+        try:
+            capture(hold)
+        except Exception as exc:  # reported to the caller
+            errors.append(exc)
+        finally:
+            capturing.set()
+
+    t = threading.Thread(target=other)
+    t.start()
+    try:
+        assert capturing.wait(60)
+        work()
+    finally:
+        done.set()
+        t.join(timeout)
+    return errors
+
+
 def check_absent_terms_in_the_backward(backend: str) -> None:
     """docs/autograd.md's example: a term with a position in the padding is absent from S,
     not 0 * value, so a NaN in grad_S reaches only the inputs that S[p, q] really depends

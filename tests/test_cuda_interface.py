@@ -14,7 +14,7 @@ import pytest
 
 import convcov
 from convcov import _arrays
-from kinds import has_cupy_gpu, to_f64
+from kinds import beside_a_capture, has_cupy_gpu, to_f64
 
 if not has_cupy_gpu():
     pytest.skip("needs CuPy and a CUDA device", allow_module_level=True)
@@ -259,8 +259,6 @@ def test_first_call_beside_a_global_capture(backend, path, monkeypatch):
     signature, so that the backend compiles and loads its kernels then. Both must work.
     One launch with no scratch: CuPy arrays made beforehand, on a stream of this thread
     (an allocation would be the array library's business)."""
-    import threading
-
     from convcov import _registry
     from convcov.backends import numba_cuda as numba_cuda_mod
 
@@ -274,40 +272,31 @@ def test_first_call_beside_a_global_capture(backend, path, monkeypatch):
     x = cupy.arange(4096, dtype=cupy.float32)
     y = cupy.zeros_like(x)
     rt = cupy.cuda.runtime
-    capturing, done, errors, graphs = threading.Event(), threading.Event(), [], []
+    graphs = []
     cupy.cuda.Device().synchronize()
 
-    def capture():
+    def capture(hold):
         cs = cupy.cuda.Stream(non_blocking=True)
+        rt.streamBeginCapture(cs.ptr, rt.streamCaptureModeGlobal)
         try:
-            rt.streamBeginCapture(cs.ptr, rt.streamCaptureModeGlobal)
-            try:
-                with cs:
-                    y[...] = x
-                    y[...] *= 2
-                capturing.set()
-                done.wait(300)
-            finally:
-                graphs.append(rt.streamEndCapture(cs.ptr))  # raises if invalidated
-            exe = rt.graphInstantiate(graphs[0])
-            rt.graphLaunch(exe, cs.ptr)
-            cs.synchronize()
-            rt.graphExecDestroy(exe)
-        except Exception as exc:  # reported below
-            errors.append(exc)
+            with cs:
+                y[...] = x
+                y[...] *= 2
+            hold()
         finally:
-            capturing.set()
+            graphs.append(rt.streamEndCapture(cs.ptr))  # raises if invalidated
+        exe = rt.graphInstantiate(graphs[0])
+        rt.graphLaunch(exe, cs.ptr)
+        cs.synchronize()
+        rt.graphExecDestroy(exe)
 
-    t = threading.Thread(target=capture)
-    t.start()
     mine = cupy.cuda.Stream(non_blocking=True)
-    try:
-        assert capturing.wait(60)
+
+    def work():
         with mine:
             convcov.accumulate(out, g, mu, c, 3, backend=backend, **conv)
-    finally:
-        done.set()
-        t.join(300)
+
+    errors = beside_a_capture(capture, work)
     mine.synchronize()
     for graph in graphs:
         rt.graphDestroy(graph)

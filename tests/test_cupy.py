@@ -20,8 +20,8 @@ import pytest
 import convcov
 from convcov import _frontend, _registry
 
-from kinds import (at_once, check_absent_terms_in_the_backward, make, to_f64, tolerance,
-                   torch_cuda)
+from kinds import (at_once, beside_a_capture, check_absent_terms_in_the_backward, make,
+                   to_f64, tolerance, torch_cuda)
 
 BACKEND = _registry.get("cupy")
 REASON = BACKEND.unavailable_reason()
@@ -559,8 +559,6 @@ def test_replays_beside_a_global_capture(path, monkeypatch):
     capture), while this thread's repeated call builds its graph and replays it on a
     side stream. Both must work: the other graph replays right, and out gets its four
     terms."""
-    import threading
-
     import torch
 
     monkeypatch.setattr(_frontend, "_bound", {})
@@ -580,29 +578,18 @@ def test_replays_beside_a_global_capture(path, monkeypatch):
     x = torch.arange(4096.0, device="cuda")
     y = torch.zeros_like(x)
     graph = torch.cuda.CUDAGraph()
-    capturing, done, errors = threading.Event(), threading.Event(), []
 
-    def capture():
-        try:
-            with torch.cuda.graph(graph, capture_error_mode="global"):
-                y.copy_(x * 2)
-                capturing.set()
-                done.wait(60)
-        except Exception as exc:  # reported below
-            errors.append(exc)
-        finally:
-            capturing.set()
+    def capture(hold):
+        with torch.cuda.graph(graph, capture_error_mode="global"):
+            y.copy_(x * 2)
+            hold()
 
-    t = threading.Thread(target=capture)
-    t.start()
-    try:
-        assert capturing.wait(60)
+    def work():
         with torch.cuda.stream(side):
             for _ in range(2):  # builds the graph and launches it; replays it
                 convcov.accumulate(o, g, mu, c, k, backend="cupy", **conv)
-    finally:
-        done.set()
-        t.join(60)
+
+    errors = beside_a_capture(capture, work)
     side.synchronize()
     assert not errors, errors
     assert [len(r) for r in _launcher_replays()] == [1]
