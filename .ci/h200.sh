@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The H200 run (device tool; carry ".whl"): GPU-enabled test suite, then `convcov bench --grad`
-# on the CUDA workloads. Everything it prints is also written under $OUT.
+# The GPU run: the test suite with the CUDA backends enabled, then `convcov bench --grad` on
+# the CUDA workloads. Everything it prints is also written under $OUT.
 #   bash .ci/h200.sh [extra pytest arguments, e.g. -k "cupy or numba_cuda"]
-# numpy 2.4.x is carried as a wheel: numba-cuda 0.30.4 fails with the image's numpy 2.5
-# (../shared/GPU.md).
+# Needs: a CUDA GPU, torch, cupy, numba and numba-cuda installed, and wheels in .whl/ that
+# are installed first into /tmp/site (a numpy 2.4.x wheel: numba-cuda 0.30.4 fails to compile
+# under numpy 2.5, which lacks numpy.row_stack).
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1

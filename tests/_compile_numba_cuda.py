@@ -4,7 +4,7 @@ Run as a script by tests/test_numba_cuda.py::test_every_kernel_compiles_for_the_
 process of its own without Numba's CUDA simulator (CI runs the kernels under the
 simulator, which executes their Python and never types or compiles them). Numba asks
 the current device for its compute capability while it compiles; this pretends an sm_90
-one, as docs/results/scripts/numba_sass.py does. Each kernel variant of :func:`variants`
+one. Each kernel variant of :func:`variants`
 (every element type at every pointer of every kernel, with each accumulation dtype and
 vector width the plans pair it with; ``--all``: every variant of :func:`requests`, all
 the plans can ask for) goes through Numba and NVVM to PTX and through nvJitLink (ptxas)

@@ -1,4 +1,4 @@
-"""Test-session setup: the CUDA simulator when there is no GPU, hypothesis profiles.
+"""Test setup: the CUDA simulator when there is no GPU, hypothesis profiles.
 
 Without a CUDA device, ``NUMBA_ENABLE_CUDASIM=1`` is set before anything imports numba,
 so the numba_cuda kernel runs (tiny shapes) through Numba's CUDA simulator: that is how CI

@@ -805,7 +805,7 @@ def test_every_module_compiles_for_the_gpu(family, arch):
     architecture (sm_90: the H200; sm_80: the oldest the kernels are written for), as
     CuPy's RawModule compiles it there. NVRTC needs no GPU, so CI compiles what only a GPU
     machine would otherwise: the host build below is plain C++ and skips the device-only
-    code (inline PTX, intrinsics). A device-only error once cost a device session."""
+    code (inline PTX, intrinsics)."""
     nvrtc = pytest.importorskip("cuda.bindings.nvrtc",
                                 reason="NVRTC comes with the test extra's numba-cuda[cu13]")
     from convcov.backends import cupy as mod

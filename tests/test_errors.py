@@ -216,8 +216,8 @@ def test_patch_moment_errors():
 
 
 # ---------------------------------------------------------------------------------------
-# Inputs found by the twentieth session's review (scratch notes): each was accepted with a
-# wrong result, or refused with an internal error.
+# Inputs that a review found accepted with a wrong result, or refused with an internal
+# error.
 
 
 @pytest.mark.parametrize("backend", ["numpy", "numba"])

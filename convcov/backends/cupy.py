@@ -484,8 +484,7 @@ __global__ void GSUM_BOUNDS cc_gsum(const Args a) {
     // step's gamma terms summed pairwise. Summed channel by channel (until commit
     // d9814ea), ptxas placed the fourth gamma load and the loads of mu between the
     // sums (sm_90 SASS), each waiting for the data before it: big-f16's cc_gsum
-    // 1074 -> 1051 us on the H200 (2026-11-30, docs/results/scripts/ab29.py; float32
-    // 2045 -> 2047, mid 38.7 -> 38.3). The step takes 89 registers for float16 (2 blocks
+    // 1074 -> 1051 us on the H200 (float32 2045 -> 2047, mid 38.7 -> 38.3). The step takes 89 registers for float16 (2 blocks
     // a multiprocessor): naming 4 blocks (64 registers) spilled and took 1115 us.
     for (; ci + UNROLL <= a.Cg; ci += UNROLL) {
       Raw<Tg, V> gr[UNROLL];

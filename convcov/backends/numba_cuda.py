@@ -127,8 +127,8 @@ DIRECT_RATIO = 2
 #: out wider than 16 bits (see _make_stream).
 FAST_DIV = True
 #: ... and the index divisions that run once a thread: gsum's and sbox_walk's position,
-#: and the update's tile where FAST_DIV applies (H200, 2026-11-30, ABAB in one process,
-#: docs/results/scripts/ab28.py: mid 115.0 -> 113.7 us of GPU time, big-f32 5500 -> 5464,
+#: and the update's tile where FAST_DIV applies (H200, ABAB in one process: mid
+#: 115.0 -> 113.7 us of GPU time, big-f32 5500 -> 5464,
 #: big-f16's update 1689 -> 1697 us with them, so 16-bit out keeps its 64-bit ones).
 DIV32 = True
 #: Terms of S whose loads the one-launch kernel issues together (its problems are
