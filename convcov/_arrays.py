@@ -288,34 +288,46 @@ def span(a: ArrayInfo) -> tuple[int, int] | None:
             size * (sum([d for d in spans if d > 0]) + 1))
 
 
-def self_overlapping(a: ArrayInfo) -> bool:
-    """Whether two elements of ``a`` lie at one address (a zero stride from ``expand`` or
-    ``broadcast_to``, or strides that interleave).
+#: Elements an undecided layout's offsets are enumerated up to (a few milliseconds, once a
+#: signature); beyond it such a layout is refused rather than guessed.
+OVERLAP_SEARCH = 1 << 20
 
-    Exact for every layout whose dims, ordered by stride, each step past all the smaller
-    ones (every view of a dense array does). Other layouts are searched element by
-    element up to 2**20 elements; beyond that they are taken as not overlapping, which is
-    torch's rule for layouts it cannot decide either."""
+
+def self_overlapping(a: ArrayInfo) -> bool | None:
+    """Whether two elements of ``a`` lie at one address: True, False, or None where that
+    cannot be settled cheaply (the front end refuses such an out).
+
+    Two elements meet where ``sum of d[k] * stride[k] = 0`` for a nonzero ``d`` with
+    ``|d[k]| < shape[k]``. Settled, cheapest first: a zero stride or two equal strides on
+    dims longer than 1 meet; a dim whose stride exceeds all that the others reach
+    together must have ``d = 0`` and is set aside (repeatedly, largest first: every view
+    of a dense array is settled so); a stride that is a small enough multiple of another
+    meets it; what remains is searched element by element up to ``OVERLAP_SEARCH``
+    elements."""
     if 0 in a.shape:
         return False
     dims = sorted([(abs(s), n) for n, s in zip(a.shape, a.strides) if n > 1])
+    strides = [s for s, _ in dims]
     if not dims:
         return False
-    if dims[0][0] == 0:
+    if strides[0] == 0 or len(set(strides)) < len(strides):
         return True
-    reach = 0  # the largest offset the smaller dims reach
-    for s, n in dims:
-        if s <= reach:
-            break
-        reach += (n - 1) * s
-    else:
+    reach = sum((n - 1) * s for s, n in dims)  # the largest offset the dims reach
+    while dims and dims[-1][0] > reach - (dims[-1][1] - 1) * dims[-1][0]:
+        s, n = dims.pop()
+        reach -= (n - 1) * s
+    if not dims:
         return False
-    if math.prod([n for _, n in dims]) > 1 << 20:
-        return False
+    for k, (s, n) in enumerate(dims):
+        for t, _ in dims[k + 1:]:
+            if t % s == 0 and t // s < n:
+                return True
+    if math.prod([n for _, n in dims]) > OVERLAP_SEARCH:
+        return None
     offsets = np.zeros(1, np.int64)
     for s, n in dims:
         offsets = (offsets[:, None] + np.arange(n, dtype=np.int64) * s).ravel()
-    return np.unique(offsets).size < offsets.size
+    return bool(np.unique(offsets).size < offsets.size)
 
 
 class _Interface:

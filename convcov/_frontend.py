@@ -314,8 +314,7 @@ def _check(out_i, gamma_i, mu_i, c_i, kernel_size, stride, padding, dilation, gr
     if len(mu_i.shape) != 4:
         raise ShapeError(f"mu: expected 4 dims (B, Ci, H, W); got shape {mu_i.shape}")
     B, Ci, H, W = mu_i.shape
-    Ho = _out_size(H, kh, sh, ph, dh, "H", "kh")
-    Wo = _out_size(W, kw, sw, pw, dw, "W", "kw")
+    Ho, Wo, sh, sw, dh, dw = _grid(H, W, kh, kw, sh, sw, ph, pw, dh, dw)
     if len(out_i.shape) == 7:
         Co = out_i.shape[1]
         _expect("out", out_i.shape, (B, Co, Ho, Wo, Co, Ho, Wo), "(B, Co, Ho, Wo, Co, Ho, Wo)")
@@ -345,10 +344,15 @@ def _check(out_i, gamma_i, mu_i, c_i, kernel_size, stride, padding, dilation, gr
                          f"got shape {c_i.shape}")
     if out_i.readonly:
         raise ValueError("out: is read-only; accumulate writes into it in place")
-    if _arrays.self_overlapping(out_i):
+    overlapping = _arrays.self_overlapping(out_i)
+    if overlapping:
         raise ValueError("out: some of its elements share memory (a zero or overlapping "
                          "stride, as from expand or broadcast_to); accumulate writes into "
                          "each element, so pass an array whose elements are distinct")
+    if overlapping is None:
+        raise ValueError(f"out: its strides {out_i.strides} (in elements) interleave so that "
+                         "whether two of its elements share memory cannot be settled "
+                         "cheaply; pass a contiguous out or a view of one")
 
     acc = "float32"
     for _, a in arrays:
@@ -403,13 +407,35 @@ def _device_str(device):
     return device[0] if device[1] is None else f"{device[0]}:{device[1]}"
 
 
-def _out_size(n, k, s, p, d, dim, kdim):
+#: The largest padding that reaches the kernels. Every input position they form is then
+#: below 2**62 in size: a valid call's stride and dilation reach no further than the
+#: padded input, and a stride that does not matter is made small (below).
+_PADDING_LIMIT = 1 << 60
+
+
+def _axis(n, k, s, p, d, dim, kdim):
+    """``(n_out, s, d)`` of one axis: its output size as torch's conv2d has it, and its
+    stride and dilation made small where their size does not matter (one output: the
+    least stride that gives one; a kernel of 1: dilation 1), so a huge but meaningless
+    value computes and the same n_out comes out again. A ShapeError names a padding too
+    large for 64-bit indexing."""
+    if p > _PADDING_LIMIT:
+        raise ShapeError(f"padding: {p} along {dim} is beyond what 64-bit indexing reaches "
+                         f"(at most 2**60)")
     span = d * (k - 1) + 1
     if n + 2 * p < span:
         raise ShapeError(
             f"mu: padded input {dim} + 2*padding = {n + 2 * p} is smaller than the dilated "
             f"kernel dilation*({kdim}-1)+1 = {span}")
-    return (n + 2 * p - span) // s + 1
+    n_out = (n + 2 * p - span) // s + 1
+    return n_out, (n + 2 * p - span + 1 if n_out == 1 else s), (1 if k == 1 else d)
+
+
+def _grid(H, W, kh, kw, sh, sw, ph, pw, dh, dw):
+    """``(Ho, Wo, sh, sw, dh, dw)``: :func:`_axis` along H and W."""
+    (Ho, sh, dh), (Wo, sw, dw) = (_axis(H, kh, sh, ph, dh, "H", "kh"),
+                                  _axis(W, kw, sw, pw, dw, "W", "kw"))
+    return Ho, Wo, sh, sw, dh, dw
 
 
 def _dtypes(p: Problem) -> frozenset:
@@ -744,8 +770,7 @@ def check_patch_moment(gamma, mu, kernel_size, stride, padding, dilation, groups
         raise ShapeError(f"kernel_size: weight shape expected (Co, Ci // groups, kh, kw) "
                          f"with Ci // groups = {Ci // G} and Co divisible by {G}; "
                          f"got {(*weight, kh, kw)}")
-    Ho = _out_size(H, kh, sh, ph, dh, "H", "kh")
-    Wo = _out_size(W, kw, sw, pw, dw, "W", "kw")
+    Ho, Wo, sh, sw, dh, dw = _grid(H, W, kh, kw, sh, sw, ph, pw, dh, dw)
     infos = [mu_i] + ([] if gamma is None else [_arrays.info(gamma, "gamma")])
     _check_kinds(list(zip(("mu", "gamma"), infos)))
     _check_streams(list(zip(("mu", "gamma"), infos)))
@@ -931,8 +956,7 @@ def patch_moment_vjp(grad_S, mu, kernel_size, *, grad_gamma=None, grad_mu=None, 
         raise ShapeError(f"kernel_size: weight shape expected (Co, Ci // groups, kh, kw) "
                          f"with Ci // groups = {Ci // G} and Co divisible by {G}; "
                          f"got {(*weight, kh, kw)}")
-    Ho = _out_size(H, kh, sh, ph, dh, "H", "kh")
-    Wo = _out_size(W, kw, sw, pw, dw, "W", "kw")
+    Ho, Wo, sh, sw, dh, dw = _grid(H, W, kh, kw, sh, sw, ph, pw, dh, dw)
     _expect("grad_S", S_i.shape, (B, G, Ho, Wo, Ho, Wo), "(B, G, Ho, Wo, Ho, Wo)")
     gg_i, gm_i = infos.get("grad_gamma"), infos.get("grad_mu")
     if gg_i is not None:

@@ -64,7 +64,10 @@ class Backend:
     def unavailable_reason(self) -> str | None:
         """Why this backend cannot run here (None when it can). Probed once."""
         if not self._probed:
-            self._reason = self._probe()
+            try:
+                self._reason = self._probe()
+            except Exception as exc:  # a probe that raises is a backend that cannot run
+                self._reason = f"its probe failed: {exc!r}"
             self._probed = True
         return self._reason
 
