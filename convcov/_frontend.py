@@ -515,13 +515,7 @@ def accumulate(out, gamma, mu, c, kernel_size, *, stride=1, padding=0, dilation=
 # (__cuda_array_interface__) cost what the full path's caches already save.
 
 _Tensor = None  # torch.Tensor, once a torch tensor was seen (_traced binds it)
-# CONVCOV_BACKEND, read on every call: from the dict os.environ keeps current (CPython's
-# os._Environ._data, bytes keys on POSIX), 20 ns against os.environ.get's 0.5 µs (its
-# key encoding and mapping protocol in Python); os.environ.get where that is missing.
-try:
-    _environ_get, _ENV_KEY = os.environ._data.get, os.environ.encodekey(_registry.ENV_VAR)
-except AttributeError:  # pragma: no cover - not CPython's os.environ
-    _environ_get, _ENV_KEY = os.environ.get, _registry.ENV_VAR
+_environ_get, _ENV_KEY = os.environ.get, _registry.ENV_VAR  # CONVCOV_BACKEND, per call
 
 
 class _Bound:
@@ -642,44 +636,9 @@ def _torch_fast(out, gamma, mu, c, kernel_size, stride, padding, dilation, group
     return True
 
 
-def _interface_address(a) -> int:
-    """A NumPy array's data address, as NumPy publishes it. (``a.ctypes.data`` costs about
-    the same: both build an object around it, 0.8 µs on an AMD EPYC host, 2.5-3.2 µs on
-    the Intel Xeon host of 2026-12-01, four times a call.)"""
+def _address(a) -> int:
+    """The data address of a NumPy array, as NumPy publishes it."""
     return a.__array_interface__["data"][0]
-
-
-def _struct_address(head: int = object.__basicsize__):
-    """A reader of a NumPy array's data address straight from the array object, or None
-    where this interpreter's objects are not laid out as it assumes.
-
-    In CPython an object's id is its address, and NumPy's array struct
-    (``PyArrayObject_fields`` in its public headers) puts the data pointer right after
-    the object header, ``object.__basicsize__`` bytes in. Reading it is one ctypes call
-    (0.37 µs against 2.5 µs on the Intel host). It is only used after checking it against
-    ``__array_interface__`` on arrays with and without offsets, so another interpreter
-    or layout (PyPy, a free-threaded build) takes the published way. Callers pass exact
-    ``np.ndarray`` objects only (``_numpy_fast`` checks each ``type``)."""
-    import ctypes
-
-    read = ctypes.c_void_p.from_address
-
-    def address(a) -> int:
-        return read(id(a) + head).value or 0
-
-    base = np.arange(24, dtype=np.float32)
-    probes = (base, base[5:], base[::-3], base.reshape(4, 6).T[1:], base[:0],
-              np.empty((2, 3), np.float16)[:, 1:], np.zeros(3)[2:])
-    try:
-        if all(address(a) == _interface_address(a) for a in probes):
-            return address
-    except Exception:  # (an unreadable address: not CPython's layout)
-        pass
-    return None
-
-
-#: The data address of an exact np.ndarray (not a subclass, not another array type).
-_address = _struct_address() or _interface_address
 
 
 def _numpy_fast(out, gamma, mu, c, kernel_size, stride, padding, dilation, groups, backend):

@@ -343,42 +343,6 @@ def test_numpy_and_torch_signatures_do_not_meet(np_spy):
     assert np_spy == [np_spy[0], True] and len(_frontend._bound) == 2
 
 
-def _published(a):
-    return a.__array_interface__["data"][0]
-
-
-def test_numpy_addresses_are_the_published_ones():
-    """The fast path reads a NumPy array's data address from the array object
-    (_frontend._struct_address): it must be the address NumPy publishes, for views with
-    offsets, negative and zero strides, every dtype, read-only and empty arrays."""
-    base = np.arange(7 * 6 * 5, dtype=np.float64).reshape(7, 6, 5)
-    ro = np.arange(10, dtype=np.float32)[3:]
-    ro.flags.writeable = False
-    arrays = [base, base[2:, ::-1, 1:], base.transpose(2, 0, 1)[1:], base[..., 3],
-              np.broadcast_to(base[0, 0], (4, 5)), base[:0], np.asfortranarray(base)[1:],
-              base.astype(np.float16)[::-2], base.astype(np.float32)[1], ro,
-              np.frombuffer(bytearray(64), np.float32, count=3, offset=20), np.empty(0),
-              np.array(2.5)]
-    for a in arrays:
-        assert type(a) is np.ndarray
-        assert _frontend._address(a) == _published(a)
-
-
-def test_a_struct_layout_that_does_not_match_is_not_used():
-    """The direct read is checked against the published addresses when the module loads;
-    a wrong layout (here: an offset one pointer too far) is refused, and the published
-    way is used instead."""
-    import platform
-    import sys
-
-    assert _frontend._struct_address(object.__basicsize__ + 8) is None
-    gil = getattr(sys, "_is_gil_enabled", lambda: True)()
-    if platform.python_implementation() == "CPython" and gil:
-        assert _frontend._address is not _frontend._interface_address  # the direct read
-    a = np.arange(5.0)[2:]
-    assert _frontend._interface_address(a) == _published(a)
-
-
 # ---------------------------------------------------------------------------------------
 # The GPU launchers' kept scratch (convcov._arrays.kept_torch_scratch): its policy, with a
 # stand-in for torch's allocator; tests/test_cupy.py checks it on the GPU.
