@@ -12,13 +12,9 @@ if ``torch`` is already in ``sys.modules``, so kinds are recognised by looking t
 
 from __future__ import annotations
 
-import atexit
-import ctypes
 import math
 import operator
-import os
 import sys
-import threading
 from typing import NamedTuple
 
 import numpy as np
@@ -185,66 +181,59 @@ def _cai_device(x, ptr) -> int | None:
     return device
 
 
-_driver_functions: dict = {}  # name -> the loaded driver's function, or None: it has none
-_CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9
+_driver_module = None  # cuda.bindings.driver once imported; False: cuda-python is unusable
+_unanswered: set = set()  # driver calls that raised: no driver library, or a driver without them
 
 
-def _driver_function(name: str, argtypes: tuple):
-    """The CUDA driver's function ``name``, from a driver some library has loaded already
-    (``RTLD_NOLOAD``: convcov never loads or initialises CUDA itself); None when none is
-    loaded (yet: asked again next time) or the driver has no such function (remembered:
-    an older driver)."""
-    try:
-        return _driver_functions[name]
-    except KeyError:
-        pass
-    try:
-        lib = ctypes.CDLL("libcuda.so.1", mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
-    except OSError:
+def _driver():
+    """``cuda.bindings.driver`` (cuda-python's driver API, on which Numba's CUDA target runs),
+    imported when a generic CUDA array first needs the driver; None where it is not
+    installed. Importing it loads no driver library; its first call does, and never
+    initialises CUDA (``cuInit``): a driver that no library has initialised answers
+    CUDA_ERROR_NOT_INITIALIZED."""
+    global _driver_module
+    drv = _driver_module
+    if drv is None:
+        try:
+            from cuda.bindings import driver as drv
+        except Exception:  # not installed, or an install that cannot load
+            drv = False
+        _driver_module = drv
+    return drv or None
+
+
+def _ask(drv, name: str, *args):
+    """The value driver call ``name`` returns for ``args`` (cuda.bindings returns a
+    ``(CUresult, value)`` tuple); None for an error result, and for a call that raises (no
+    driver library on this machine, or a driver older than the call), which is then not
+    made again."""
+    if name in _unanswered:
         return None
-    fn = getattr(lib, name, None)
-    if fn is not None:
-        fn.argtypes, fn.restype = argtypes, ctypes.c_int
-    _driver_functions[name] = fn
-    return fn
+    try:
+        err, value = getattr(drv, name)(*args)
+    except Exception:
+        _unanswered.add(name)
+        return None
+    return value if err == drv.CUresult.CUDA_SUCCESS else None
 
 
 def pointer_device(ptr: int) -> int | None:
     """Ordinal of the device that holds address ``ptr``, from the CUDA driver
-    (``cuPointerGetAttribute``); None when the driver is not loaded in this process (no
-    CUDA array can exist then), has not been initialised, or does not know the address.
+    (``cuPointerGetAttribute`` through cuda-python); None when cuda-python or the driver
+    is missing, the driver has not been initialised (no CUDA array can exist then), or it
+    does not know the address. Nothing but a missing driver is remembered: an address
+    asked about before the driver was initialised is answered once it is.
 
     Without this, an array whose producer records no device would be computed on the
     current device, wherever it lives."""
     if not ptr:  # no address (an empty array): nothing to ask
         return None
-    fn = _driver_function("cuPointerGetAttribute",
-                          (ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64))
-    if fn is None:
+    drv = _driver()
+    if drv is None:
         return None
-    ordinal = ctypes.c_int(-1)
-    if fn(ctypes.byref(ordinal), _CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr) != 0:
-        return None  # CUDA_ERROR_NOT_INITIALIZED, or not a device address
-    return ordinal.value
-
-
-#: CUstreamCaptureMode (cuda.h): a thread in this mode heeds only its own captures.
-CAPTURE_MODE_THREAD_LOCAL = 1
-
-
-def exchange_capture_mode(mode: int) -> int | None:
-    """Set this thread's stream capture interaction mode (``cuThreadExchangeStreamCaptureMode``;
-    the runtime's mode is the driver's) and return the one it replaces; None, changing
-    nothing, when no driver is loaded. A thread in the default mode ("global") may not
-    make a potentially unsafe CUDA call while any other thread captures in global mode
-    (torch.cuda.graph's default): the call fails, and invalidates that capture."""
-    fn = _driver_function("cuThreadExchangeStreamCaptureMode", (ctypes.c_void_p,))
-    if fn is None:
-        return None
-    value = ctypes.c_int(mode)
-    if fn(ctypes.byref(value)) != 0:
-        return None
-    return value.value
+    ordinal = _ask(drv, "cuPointerGetAttribute",
+                   drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, int(ptr))
+    return None if ordinal is None else int(ordinal)
 
 
 #: Stream handles that name a default stream of whichever device is current (the null
@@ -254,27 +243,25 @@ DEFAULT_STREAMS = (0, 1, 2)
 
 def stream_device(handle: int) -> int | None:
     """Ordinal of the device that stream ``handle`` belongs to, from the CUDA driver
-    (``cuStreamGetDevice``, drivers for CUDA 12.8 and later); None for a default-stream
-    handle (``DEFAULT_STREAMS``), for a stream being captured into a CUDA graph, and when
-    no driver is loaded, the driver is older, or it does not know the handle. A generic
-    CUDA array that names another device's stream is refused before anything is queued
-    (``_frontend._check_streams``): a launch there would run on that device with this
-    one's addresses."""
+    (``cuStreamGetDevice`` through cuda-python, drivers for CUDA 12.8 and later); None for
+    a default-stream handle (``DEFAULT_STREAMS``), for a stream being captured into a CUDA
+    graph, and when cuda-python or the driver is missing, the driver is older, or it does
+    not know the handle. A generic CUDA array that names another device's stream is
+    refused before anything is queued (``_frontend._check_streams``): a launch there would
+    run on that device with this one's addresses."""
     if handle in DEFAULT_STREAMS:
         return None
-    capturing = _driver_function("cuStreamIsCapturing", (ctypes.c_void_p, ctypes.c_void_p))
-    fn = _driver_function("cuStreamGetDevice", (ctypes.c_void_p, ctypes.c_void_p))
-    if fn is None or capturing is None:
+    drv = _driver()
+    if drv is None:
         return None
-    # Asked of a stream being captured, cuStreamGetDevice ends the capture with an error
-    # (H200, driver 580): such a stream is the backends' to refuse (a BackendError).
-    status = ctypes.c_int(0)
-    if capturing(ctypes.c_void_p(handle), ctypes.byref(status)) != 0 or status.value != 0:
+    stream = drv.CUstream(int(handle))
+    # Asked of a stream being captured, cuStreamGetDevice ends the capture with an error:
+    # such a stream is the backends' to refuse (a BackendError).
+    status = _ask(drv, "cuStreamIsCapturing", stream)
+    if status is None or status != drv.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE:
         return None
-    ordinal = ctypes.c_int(-1)
-    if fn(ctypes.c_void_p(handle), ctypes.byref(ordinal)) != 0:
-        return None
-    return ordinal.value
+    device = _ask(drv, "cuStreamGetDevice", stream)
+    return None if device is None else int(device)
 
 
 def span(a: ArrayInfo) -> tuple[int, int] | None:
@@ -451,102 +438,31 @@ def vector_width(itemsize, n_q, q_strides, q_shape, other_strides, ptr, extra=()
     return 1
 
 
-class _RawBlock:
-    """Scratch from torch's caching allocator by address; back to its pool when dropped."""
-
-    __slots__ = ("ptr",)
-
-    def __init__(self, ptr):
-        self.ptr = ptr
-
-    def __del__(self):
-        _torch_raw[1](self.ptr)
-
-
-_torch_raw = None  # (raw_alloc, raw_delete, current device) of torch._C, or () if missing
-
-
 def torch_scratch(nbytes: int, dev: int, stream: int, current: bool = False):
-    """``nbytes`` of scratch on CUDA device ``dev`` from torch's caching allocator, ordered
-    on ``stream`` (the launch stream): (owner, address). Dropping the owner after the
-    launches returns the memory to the stream's pool, where only work queued behind them
-    can reuse it (what ``torch.empty`` then ``del`` does; a CUDA-graph capture sees it as
-    any tensor's allocation).
-
-    Through torch's raw allocator entry points when ``dev`` is torch's current device:
-    two C calls instead of ``torch.empty``'s argument parsing and tensor, 2-3 µs less on a
-    call's way to its first launch (the GPU backends' ``mid``, 2026-11-30). Else, and on
-    builds without them, a ``torch.empty`` tensor. ``current``: the caller has just made
-    ``dev`` the current device (no need to ask).
-    """
-    global _torch_raw
+    """``nbytes`` of scratch on CUDA device ``dev`` from torch's caching allocator:
+    (owner, address), a ``torch.empty`` tensor. torch orders it on its current stream of
+    ``dev``, which must be the launch stream ``stream`` (it is for torch tensors:
+    ``launch_streams``). Dropping the owner after the launches are queued returns the
+    memory to that stream's pool, where only work queued behind them can reuse it; under a
+    CUDA-graph capture it comes from the graph's private pool, as any tensor's does.
+    ``current`` (the caller has just made ``dev`` the current device) is accepted and not
+    needed: torch places the tensor by ``dev`` alone."""
     torch = sys.modules["torch"]
-    raw = _torch_raw
-    if raw is None:
-        C = torch._C
-        names = ("_cuda_cudaCachingAllocator_raw_alloc", "_cuda_cudaCachingAllocator_raw_delete",
-                 "_cuda_getDevice")
-        raw = _torch_raw = (tuple(getattr(C, n) for n in names)
-                            if all(hasattr(C, n) for n in names) else ())
-    if raw and (current or raw[2]() == dev):
-        block = _RawBlock(raw[0](max(nbytes, 1), stream))
-        return block, block.ptr
     t = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=torch.device("cuda", dev))
     return t, t.data_ptr()
 
 
-#: Scratch of at most this many bytes is kept between a thread's calls on one stream
-#: (kept_torch_scratch), at most KEEP_STREAMS blocks a thread.
-KEEP_SCRATCH = 16 << 20
-KEEP_STREAMS = 4
-_kept = threading.local()  # this thread's {(device, stream): (owner, address, nbytes)}
-
-
-def kept_torch_scratch(nbytes: int, dev: int, stream: int) -> int:
-    """Address of ``nbytes`` (at most KEEP_SCRATCH) of scratch on CUDA device ``dev`` (the
-    current device) that this thread keeps for its launches on ``stream``.
-
-    Taking and giving back torch_scratch costs a small call about 2 µs of host time before
-    its first kernel (the H200 machine, 2026-11-30); a small call's kernels are short, so
-    that is the GPU's idle time. Reuse is safe without any synchronisation: the block is
-    only ever used by work this thread queues on ``stream``, which runs in queue order, and
-    a thread's launches of one call are queued together. (Two threads sharing one block
-    could interleave their launches on a shared stream: hence per thread.) A replaced or
-    dropped block goes back to torch's pool on its stream, behind the work queued there.
-    The caller must not use this while ``stream`` is being captured into a CUDA graph: a
-    captured launch must own its memory (the graph's pool), not share it with later calls.
-    The blocks live until the thread ends (or the interpreter exits): at most
-    KEEP_STREAMS x KEEP_SCRATCH bytes a thread, counted in torch.cuda.memory_allocated().
-    """
-    blocks = _kept.__dict__
-    e = blocks.get((dev, stream))
-    if e is None or e[2] < nbytes:
-        if e is None and len(blocks) >= KEEP_STREAMS:
-            blocks.clear()  # a thread cycling through streams: start over
-        owner, ptr = torch_scratch(nbytes, dev, stream, True)
-        e = blocks[(dev, stream)] = (owner, ptr, nbytes)
-    return e[1]
-
-
-@atexit.register
-def _drop_kept():  # while torch is whole: the main thread's blocks back to its allocator
-    _kept.__dict__.clear()
-
-
-_torch_stream = None  # function: device -> raw handle of torch's current stream
+_torch_stream = None  # function: device -> raw handle of torch's current stream on it
 
 
 def torch_stream_getter():
-    """device -> raw handle of torch's current stream on it: torch's own C entry point,
-    which builds no torch.cuda.Stream object (what torch's compiled code uses), or the
-    public API where it is missing."""
+    """device -> raw handle of torch's current stream on it
+    (``torch.cuda.current_stream(device).cuda_stream``)."""
     global _torch_stream
     get = _torch_stream
     if get is None:
-        torch = sys.modules["torch"]
-        get = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
-            lambda d: torch.cuda.current_stream(d).cuda_stream)
-        _torch_stream = get
+        cuda = sys.modules["torch"].cuda
+        get = _torch_stream = lambda d: cuda.current_stream(d).cuda_stream
     return get
 
 

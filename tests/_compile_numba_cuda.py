@@ -97,9 +97,6 @@ def main(argv=()):
 
     dispatcher.get_current_device = lambda: _Sm90()
     from numba import cuda
-
-    cuda.get_current_device = dispatcher.get_current_device  # _pdl's griddepcontrol asks
-
     from numba.cuda.cudadrv.error import CudaSupportError
 
     from convcov.backends import numba_cuda as nc

@@ -3,16 +3,19 @@
 Run by tests/test_numba_cuda.py in a process of its own: Numba's memory manager must be
 chosen before its first context. Exit 77 (the test skips) when RMM or a GPU is missing.
 
-Numba device arrays whose interface names a non-blocking stream, the three-launch path
-(S and T in scratch from Numba's allocator), and the stream held by a spin kernel, so
-that without the guard the call returns while its kernels are still queued. Then a block
-of the scratch's size is taken from the plugin on the legacy default stream and filled,
-as any other code of the program could. RMM's pool gives the freed scratch block out
-again for it. If the scratch was freed while the kernels still used it (the plugin's
-free is ordered on its own stream, not the launch stream), the kernels write their T and
-S into that block. The filled block must come through intact, and out must match the
-numpy reference. ``--no-guard`` runs the code as it was before the guard
-(``numba_cuda._plugin_allocator``), to show that this check catches it.
+The plugin interface has no stream: RMM's plugin puts a freed block back into its pool
+on its own stream, unordered with the stream the call's kernels run on. numba_cuda keeps
+a generic array call's scratch alive until an event recorded after its launches has
+completed (``numba_cuda._hold``), without waiting for it. This run checks that: Numba
+device arrays whose interface names a non-blocking stream, the three-launch path (S and
+T in scratch from Numba's allocator), and that stream held by a spin kernel, so the call
+returns while its kernels are still queued. Then a block of the scratch's size is taken
+from the plugin on the legacy default stream and filled, as any other code of the
+program could. Had the scratch been freed, RMM's pool would give that block out again,
+and the kernels would write their T and S into it. The filled block must come through
+intact, out must match the numpy reference, and once the kernels have run a later
+call's release drops the scratch. ``--no-guard`` drops the scratch as the call returns
+instead, to show that this check catches the race.
 """
 
 from __future__ import annotations
@@ -42,12 +45,12 @@ def main(guard: bool) -> int:
 
     mod.DIRECT_TERMS = mod.DIRECT_RATIO = -1  # three launches: S and T in scratch
     if not guard:
-        mod._plugin_allocator = lambda dev: False
+        mod._hold = lambda dev, owner, stream: None  # the owner goes as the call returns
     scratch = []
     workspace = mod._workspace
 
-    def recording(kind, dev, n, acc, stream):
-        owner, ptr = workspace(kind, dev, n, acc, stream)
+    def recording(kind, dev, n, acc, *streams):
+        owner, ptr = workspace(kind, dev, n, acc, *streams)
         scratch.append((ptr, max(n, 1), acc))
         return owner, ptr
 
@@ -84,6 +87,8 @@ def main(guard: bool) -> int:
     spin[1, 1, side](300)  # 0.3 s or so: the call's kernels wait behind it
     convcov.accumulate(*d, k, backend="numba_cuda")
     busy = drv.cuStreamQuery(handle)[0] == drv.CUresult.CUDA_ERROR_NOT_READY
+    dev = cuda.get_current_device().id
+    held = len(mod._held.get(dev, ()))  # the call's scratch (the warm call's is gone)
     (ptr, n, acc), = scratch
     manager = type(cuda.current_context().memory_manager)
     assert manager is RMMNumbaManager, f"Numba's memory manager is {manager}, not RMM's"
@@ -96,9 +101,13 @@ def main(guard: bool) -> int:
     intact = bool(np.array_equal(other.copy_to_host(), fill))
     got = d[0].copy_to_host().astype(np.float64)
     err = float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
-    print(f"guard {guard}: kernels queued on return {busy}, scratch block reused {reused}, "
-          f"other block intact {intact}, out max relative error {err:.2e}")
-    return 0 if intact and err < 1e-5 else 1
+    mod._release(dev)  # what the next call does first: the kernels have run
+    released = not mod._held.get(dev)
+    print(f"guard {guard}: kernels queued on return {busy}, scratch held {held}, "
+          f"scratch block reused {reused}, other block intact {intact}, "
+          f"released once the kernels ran {released}, out max relative error {err:.2e}")
+    kept = held == 1 and released if guard else True
+    return 0 if intact and err < 1e-5 and kept else 1
 
 
 if __name__ == "__main__":

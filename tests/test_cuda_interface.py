@@ -161,14 +161,11 @@ def test_device_of_an_array_that_names_none(backend):
 
 
 def _current_context():
-    """The CUDA context current on this thread (0: none), from the driver."""
-    import ctypes
-    import os
-
-    lib = ctypes.CDLL("libcuda.so.1", mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
-    ctx = ctypes.c_void_p(0)
-    assert lib.cuCtxGetCurrent(ctypes.byref(ctx)) == 0
-    return ctx.value or 0
+    """The CUDA context current on this thread (0: none), from the driver (cuda-python)."""
+    driver = pytest.importorskip("cuda.bindings.driver")
+    err, ctx = driver.cuCtxGetCurrent()
+    assert err == driver.CUresult.CUDA_SUCCESS, err
+    return 0 if ctx is None else int(ctx)
 
 
 @backend_names
@@ -265,8 +262,7 @@ def test_first_call_beside_a_global_capture(backend, path, monkeypatch):
     cupy_backend = _registry.get("cupy")
     for name in ("_modules", "_functions"):  # the kernels are loaded afresh
         monkeypatch.setattr(cupy_backend, name, {})
-    for name in ("_compiled", "_device_kernels"):
-        monkeypatch.setattr(numba_cuda_mod, name, {})
+    monkeypatch.setattr(numba_cuda_mod, "_compiled", {})
     out_h, gamma_h, mu_h, c_h, conv, want = _problem(11)
     out, g, mu, c = (cupy.asarray(a) for a in (out_h, gamma_h, mu_h, c_h))
     x = cupy.arange(4096, dtype=cupy.float32)

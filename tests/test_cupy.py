@@ -20,8 +20,7 @@ import pytest
 import convcov
 from convcov import _frontend, _registry
 
-from kinds import (at_once, beside_a_capture, check_absent_terms_in_the_backward, make,
-                   to_f64, tolerance, torch_cuda)
+from kinds import at_once, check_absent_terms_in_the_backward, make, to_f64, tolerance, torch_cuda
 
 BACKEND = _registry.get("cupy")
 REASON = BACKEND.unavailable_reason()
@@ -343,8 +342,8 @@ def test_threads_at_once():
 @pytest.mark.parametrize("path", ["direct", "three"], indirect=True)
 def test_threads_share_a_bound_signature(path):
     """Eight threads call one signature at once, each with its own arrays, half of them on
-    one stream: the first bound call claims the launcher's own Args structs (a lock), the
-    others fill copies, and every result has the bits of the full path's."""
+    one stream: the bound launcher's calls each fill their own copy of the plan's Args, and
+    every result has the bits of the full path's."""
     import torch
 
     rng = np.random.default_rng(23)
@@ -365,94 +364,22 @@ def test_threads_share_a_bound_signature(path):
 @gpu
 @need_torch
 @pytest.mark.parametrize("path", ["three"], indirect=True)
-def test_bound_calls_keep_small_scratch(path, monkeypatch):
-    """A bound signature's calls reuse one scratch block per thread and stream
-    (_arrays.kept_torch_scratch) instead of taking and freeing one each call: the results
-    stay right, torch's allocated memory stops growing, another stream or thread gets its
-    own block (a thread's goes when it ends), and scratch over KEEP_SCRATCH is not kept."""
-    import gc
-    import threading
-
-    import torch
-
-    from convcov import _arrays
-    from convcov.backends import cupy as mod
-
-    rng = np.random.default_rng(21)
-    out, g, mu, c, k, conv = _problem(rng, "torch_cuda", ["float32"] * 4, ["contiguous"] * 3)
-    src = out.clone()
-    mine = _arrays._kept.__dict__
-    mine.clear()
-    here = (torch.cuda.current_device(), torch.cuda.current_stream().cuda_stream)
-    _check(out, g, mu, c, k, conv)  # the full path, which binds the signature
-    assert here not in mine
-    out.copy_(src)
-    _check(out, g, mu, c, k, conv)  # the bound launcher: takes and keeps a block
-    assert list(mine) == [here]
-    block = mine[here]
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    for _ in range(10):
-        convcov.accumulate(out, g, mu, c, k, backend="cupy", **conv)
-    out.copy_(src)
-    _check(out, g, mu, c, k, conv)
-    torch.cuda.synchronize()
-    assert mine[here] is block and torch.cuda.memory_allocated() == before
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        out.copy_(src)
-        _check(out, g, mu, c, k, conv)
-    torch.cuda.current_stream().wait_stream(side)
-    assert sorted(mine) == sorted([here, (here[0], side.cuda_stream)])
-
-    def other():
-        convcov.accumulate(out, g, mu, c, k, backend="cupy", **conv)
-        torch.cuda.current_stream().synchronize()
-
-    torch.cuda.synchronize()
-    with_side = torch.cuda.memory_allocated()
-    t = threading.Thread(target=other)
-    t.start()
-    t.join()
-    gc.collect()
-    assert torch.cuda.memory_allocated() == with_side  # the thread's block went with it
-
-    monkeypatch.setattr(mod, "KEEP_SCRATCH", 0)  # read when a signature is bound
-    monkeypatch.setattr(_frontend, "_bound", {})
-    kept = dict(mine)
-    for _ in range(2):
-        out.copy_(src)
-        _check(out, g, mu, c, k, conv)
-    torch.cuda.synchronize()
-    assert mine == kept and torch.cuda.memory_allocated() == with_side
-
-
-@gpu
-@need_torch
-@pytest.mark.parametrize("path", ["three"], indirect=True)
 def test_captured_calls_take_the_graphs_memory(path):
-    """A bound call captured into a CUDA graph takes its scratch from the graph's pool,
-    not the thread's kept block (which later eager calls and other graphs would share):
-    two graphs of one signature, replayed at once on two streams, each add their own
-    term, and the kept blocks did not change."""
+    """Bound calls captured into CUDA graphs (torch.cuda.graph, as docs/cupy.md suggests
+    for repeated small calls) take their scratch from each graph's own pool: two graphs of
+    one signature, replayed at once on two streams, each add their own term."""
     import torch
-
-    from convcov import _arrays
 
     rng = np.random.default_rng(22)
     jobs = [_problem(rng, "torch_cuda", ["float64"] * 4, ["contiguous"] * 3, B=3, Ci=6,
                      Co=6, H=12, W=11) for _ in range(2)]
     terms = []
-    for out, g, mu, c, k, conv in jobs:  # eager, binding the signature and keeping a block
+    for out, g, mu, c, k, conv in jobs:  # eager: the full path, then the bound launcher
         for _ in range(2):
             o = out.clone()
             convcov.accumulate(o, g, mu, c, k, backend="cupy", **conv)
         terms.append(o - out)
-    mine = _arrays._kept.__dict__
-    kept = dict(mine)
-    assert kept, "the eager calls kept no scratch"
+    torch.cuda.synchronize()
     graphs, outs = [], []
     for out, g, mu, c, k, conv in jobs:
         o = out.clone()
@@ -461,7 +388,6 @@ def test_captured_calls_take_the_graphs_memory(path):
             convcov.accumulate(o, g, mu, c, k, backend="cupy", **conv)
         graphs.append(graph)
         outs.append(o)
-    assert mine == kept
     streams = torch.cuda.Stream(), torch.cuda.Stream()
     torch.cuda.synchronize()
     for _ in range(5):
@@ -473,220 +399,28 @@ def test_captured_calls_take_the_graphs_memory(path):
         torch.testing.assert_close(o, out + 5 * term, rtol=1e-12, atol=1e-12)
 
 
-def _launcher_replays():
-    """The graphs of every bound cupy launcher (_Replays.graphs), in binding order."""
-    return [b.run.replays[0].graphs for b in _frontend._bound.values()
-            if b is not None and getattr(b.run, "replays", [None])[0] is not None]
-
-
 @gpu
 @need_torch
-@pytest.mark.parametrize("path", ["three"], indirect=True)
-@pytest.mark.parametrize("split", [False, True])
-def test_repeated_calls_replay_a_graph(path, monkeypatch, split):
-    """A bound call that comes again with the same addresses is replayed as one CUDA graph
-    (_Replays, built the second time its key is seen): the results have the bits of plain
-    launches, for a tensor c and for number cs that differ only in their sign bit; new
-    addresses get their own graph, at most _Replays.MAX a launcher, and beyond them calls
-    launch plainly and stay right; a replay on a side stream is ordered after the work
-    queued there before it. ``split``: the graphs run the batch's halves on two branches
-    (_split; only large calls do by default)."""
+@pytest.mark.parametrize("path", ["direct", "three"], indirect=True)
+def test_repeated_calls_under_torch_compile_reduce_overhead(path):
+    """docs/cupy.md's other way for repeated small calls: a step that calls accumulate,
+    compiled with torch.compile(mode="reduce-overhead") (torch's CUDA graphs), called
+    again and again with new values in its inputs: each result is the eager step's."""
     import torch
 
-    from convcov.backends import cupy as mod
-
-    monkeypatch.setattr(mod, "REPLAY_SPLIT_BYTES", 0 if split else 1 << 62)
-    rng = np.random.default_rng(23)
+    rng = np.random.default_rng(24)
     out, g, mu, c, k, conv = _problem(rng, "torch_cuda", ["float32"] * 4, ["contiguous"] * 3)
-    out[0, 0, 0, 0, 0, 0, 0] = -0.0  # a -0.0 + -0.0 keeps its sign, -0.0 + 0.0 does not
-    results = {}
-    for replay in (False, True):
-        monkeypatch.setattr(mod, "REPLAY", replay)  # read when a signature is bound
-        monkeypatch.setattr(_frontend, "_bound", {})
-        for cv in (c, 0.0, -0.0, 0.5):
-            o = out.clone()
-            for _ in range(4):
-                convcov.accumulate(o, g, mu, cv, k, backend="cupy", **conv)
-            torch.cuda.synchronize()
-            results[replay, str(cv) if isinstance(cv, float) else "tensor"] = o
-        graphs = _launcher_replays()
-        if replay:
-            # one launcher for the tensor c, one for the number cs: 1 and 3 graphs
-            assert sorted(len(x) for x in graphs) == [1, 3]
-        else:
-            assert graphs == []
-    for key in ("tensor", "0.0", "-0.0", "0.5"):
-        assert torch.equal(results[False, key].view(torch.int32),
-                           results[True, key].view(torch.int32)), key
-    assert not torch.equal(results[True, "0.0"].view(torch.int32),
-                           results[True, "-0.0"].view(torch.int32))
 
-    # A side stream (its own kept scratch, so its own graph): out is rewritten there, behind
-    # a spin that holds the stream while the host queues on, right before each call.
-    monkeypatch.setattr(_frontend, "_bound", {})
-    side = torch.cuda.Stream()
-    o = out.clone()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(4):  # binds; first sighting; builds and launches; replays
-            torch.cuda._sleep(2_000_000)
-            o.copy_(out)
-            _check(o, g, mu, c, k, conv)
-    torch.cuda.current_stream().wait_stream(side)
-    assert [len(x) for x in _launcher_replays()] == [1]
-
-    # New addresses: a graph each up to MAX, then plain launches, all right.
-    monkeypatch.setattr(_frontend, "_bound", {})
-    outs = [out.clone() for _ in range(mod._Replays.MAX + 3)]
-    for o in outs:
-        _check(o, g, mu, c, k, conv)
-    for o in outs:
-        o.copy_(out)
-        _check(o, g, mu, c, k, conv)
-    for o in outs:
-        o.copy_(out)
-        _check(o, g, mu, c, k, conv)
-    (graphs,) = _launcher_replays()
-    assert len(graphs) == mod._Replays.MAX
-
-
-@gpu
-@need_torch
-@pytest.mark.parametrize("path", ["three"], indirect=True)
-def test_replays_beside_a_global_capture(path, monkeypatch):
-    """Another thread captures a CUDA graph in torch's default mode, "global" (while it
-    captures, a potentially unsafe CUDA call from any thread fails and invalidates that
-    capture), while this thread's repeated call builds its graph and replays it on a
-    side stream. Both must work: the other graph replays right, and out gets its four
-    terms."""
-    import torch
-
-    monkeypatch.setattr(_frontend, "_bound", {})
-    rng = np.random.default_rng(31)
-    out, g, mu, c, k, conv = _problem(rng, "torch_cuda", ["float32"] * 4, ["contiguous"] * 3)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    o = out.clone()
-    with torch.cuda.stream(side):
-        convcov.accumulate(o, g, mu, c, k, backend="cupy", **conv)  # binds
-        term = o - out
-        # The launcher's first call: it takes the thread's scratch block, which needs
-        # torch's allocator (and that fails in the other thread's global capture: torch's
-        # own rule), and sees the key for the first time.
+    def step(out, g, mu, c):
+        o = out.clone()
         convcov.accumulate(o, g, mu, c, k, backend="cupy", **conv)
-    side.synchronize()
-    x = torch.arange(4096.0, device="cuda")
-    y = torch.zeros_like(x)
-    graph = torch.cuda.CUDAGraph()
+        return o
 
-    def capture(hold):
-        with torch.cuda.graph(graph, capture_error_mode="global"):
-            y.copy_(x * 2)
-            hold()
-
-    def work():
-        with torch.cuda.stream(side):
-            for _ in range(2):  # builds the graph and launches it; replays it
-                convcov.accumulate(o, g, mu, c, k, backend="cupy", **conv)
-
-    errors = beside_a_capture(capture, work)
-    side.synchronize()
-    assert not errors, errors
-    assert [len(r) for r in _launcher_replays()] == [1]
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(y, x * 2)
-    torch.testing.assert_close(o, out + 4 * term, rtol=1e-5, atol=1e-5)
-
-
-class _FakeRuntime:
-    """Stand-in for CuPy's runtime module: records the graph calls _Replays makes."""
-
-    streamNonBlocking, streamCaptureModeThreadLocal, eventDisableTiming = 1, 2, 3
-
-    def __init__(self, fail_launch=False):
-        self.log, self.fail_launch, self.handles = [], fail_launch, iter(range(11, 99))
-
-    def __getattr__(self, name):
-        def call(*args):
-            self.log.append((name,) + args)
-            if name in ("streamCreateWithFlags", "eventCreateWithFlags"):
-                return next(self.handles)
-            return {"streamEndCapture": 7, "graphInstantiate": 5}.get(name)
-        return call
-
-
-def test_replays_capture_on_private_streams(monkeypatch):
-    """_Replays.build (host, stand-in runtime): one chain is captured on a new non-blocking
-    stream in thread-local mode, two on two streams forked from and joined back to the
-    first; the graph is instantiated; the graph template, streams and events are destroyed
-    either way; the thread heeds only its own captures while it builds, and gets its mode
-    back after, either way; at most MAX graphs; a failing launch ends the capture, stores
-    nothing and raises (the launcher then stops replaying)."""
-    import array
-
-    from convcov.backends import cupy as mod
-
-    class Plan:
-        launches = [mod._Launch(f"f{i}", 4 + i, array.array("q", [0] * len(mod._FIELDS)))
-                    for i in range(3)]
-
-    def exchange(mode):  # the thread's capture mode: 0 (global) until the build sets 1
-        rt.log.append(("exchange mode", mode))
-        return 0
-
-    monkeypatch.setattr(mod, "exchange_capture_mode", exchange)
-    whole = mod._Offsets(0, 0, 0, 0, 256)
-    rt, launched = _FakeRuntime(), []
-
-    def launch_kernel(func, grid, *rest):
-        launched.append((func, grid, rest[6]))  # (..., stream, params, extra)
-        if rt.fail_launch:
-            raise RuntimeError("launch failed")
-
-    r = mod._Replays(rt)
-    exe = r.build("k0", launch_kernel, [(mod._slots(Plan), whole)], 1000, 1, 2, 3, 4, 0.0)
-    assert exe == 5 and r.graphs == {"k0": 5}
-    assert launched == [("f0", 4, 11), ("f1", 5, 11), ("f2", 6, 11)]
-    assert rt.log == [("exchange mode", 1), ("streamCreateWithFlags", 1),
-                      ("streamBeginCapture", 11, 2), ("streamEndCapture", 11),
-                      ("graphInstantiate", 7), ("graphDestroy", 7), ("streamDestroy", 11),
-                      ("exchange mode", 0)]
-
-    rt.log.clear()
-    launched.clear()
-    two = [(mod._slots(Plan), whole), (mod._slots(Plan), mod._Offsets(8, 8, 8, 64, 256))]
-    assert r.build("k1", launch_kernel, two, 1000, 1, 2, 3, 4, 0.0) == 5
-    assert [x[2] for x in launched] == [12, 12, 12, 13, 13, 13]  # each chain its stream
-    for (slots, _), addresses in zip(two, [(1, 2, 3, 4, 1256, 1000),
-                                           (9, 10, 11, 4, 1320, 1064)]):
-        for slot in slots:  # out, gamma, mu, c, T (S + off.t), S: offset per chain
-            assert tuple(slot[2][:6]) == addresses
-    assert rt.log == [("exchange mode", 1),
-                      ("streamCreateWithFlags", 1), ("streamCreateWithFlags", 1),
-                      ("eventCreateWithFlags", 3), ("eventCreateWithFlags", 3),
-                      ("streamBeginCapture", 12, 2), ("eventRecord", 14, 12),
-                      ("streamWaitEvent", 13, 14), ("eventRecord", 15, 13),
-                      ("streamWaitEvent", 12, 15), ("streamEndCapture", 12),
-                      ("graphInstantiate", 7), ("graphDestroy", 7), ("eventDestroy", 15),
-                      ("eventDestroy", 14), ("streamDestroy", 13), ("streamDestroy", 12),
-                      ("exchange mode", 0)]
-
-    for i in range(2, mod._Replays.MAX):
-        assert r.build(f"k{i}", launch_kernel, two, 1000, 1, 2, 3, 4, 0.0) == 5
-    rt.log.clear()
-    assert r.build("more", launch_kernel, two, 1000, 1, 2, 3, 4, 0.0) is None
-    assert rt.log == [] and len(r.graphs) == mod._Replays.MAX
-
-    rt, launched = _FakeRuntime(fail_launch=True), []
-    r = mod._Replays(rt)
-    with pytest.raises(RuntimeError, match="launch failed"):
-        r.build("k", launch_kernel, [(mod._slots(Plan), whole)], 1000, 1, 2, 3, 4, 0.0)
-    assert [e[0] for e in rt.log] == ["exchange mode", "streamCreateWithFlags",
-                                      "streamBeginCapture", "streamEndCapture", "graphDestroy",
-                                      "streamDestroy", "exchange mode"]
-    assert rt.log[-1] == ("exchange mode", 0)
-    assert r.graphs == {}
+    compiled = torch.compile(step, mode="reduce-overhead")
+    for i in range(6):
+        args = [x * (1 + 0.25 * i) for x in (out, g, mu, c)]
+        got = compiled(*args).clone()  # (the graph's output is overwritten by its next run)
+        torch.testing.assert_close(got, step(*args), rtol=1e-5, atol=1e-5)
 
 
 @gpu
@@ -851,15 +585,42 @@ def host_kernels(tmp_path_factory):
     return ctypes.CDLL(str(d / "k.so")), {n: i for i, n in enumerate(names)}
 
 
-def _host_backend(sms):
-    """The cupy backend planning for the host build: kernel names stand for the compiled
-    functions, and ``sms`` = (multiprocessors, threads each) pretends a device size."""
+class _HostKernel:
+    """Stands for a ``cupy.RawKernel`` on the host build: called as the backend calls a
+    RawKernel, ``(grid, block, args)``, it runs the kernel's host build on the Args struct
+    in ``args[0]``, a one-element array of ``_ARGS`` whose data address is what CuPy
+    passes to the driver for such an argument. ``launched`` gets (name, ``watch()``) per
+    call."""
+
+    def __init__(self, name, host_kernels, launched, watch):
+        self.name, self.host_kernels, self.launched, self.watch = (name, host_kernels,
+                                                                    launched, watch)
+
+    def __call__(self, grid, block, args):
+        import ctypes
+
+        from convcov.backends import cupy as mod
+
+        (a,) = args
+        assert isinstance(a, np.ndarray) and a.shape == (1,) and a.dtype == mod._ARGS
+        assert a.itemsize == 8 * len(mod._FIELDS) and block == (256,) and len(grid) == 1
+        self.launched.append((self.name, self.watch()))
+        lib, index = self.host_kernels
+        getattr(lib, f"run_{index[self.name]}")(
+            ctypes.c_void_p(a.__array_interface__["data"][0]), ctypes.c_longlong(grid[0]))
+
+
+def _host_backend(sms, host_kernels, launched=None, watch=lambda: None):
+    """The cupy backend planning for the host build: its kernels are _HostKernels, and
+    ``sms`` = (multiprocessors, threads each) pretends a device size."""
     from convcov.backends import cupy as mod
+
+    launched = [] if launched is None else launched
 
     class Host(mod.CupyBackend):
         def _function(self, name, family, dev):
             assert name in mod._family_names(family), (name, family)
-            return name
+            return _HostKernel(name, host_kernels, launched, watch)
 
         def _sm_threads(self, dev):
             return sms
@@ -868,25 +629,20 @@ def _host_backend(sms):
 
 
 def _run_on_host(host_kernels, p, sms):
-    """The backend's plan for p (numpy arrays), launched on the host build; the launches'
-    Args filled in by the backend's own _fill (T after S, as _scratch lays them)."""
-    import ctypes
-
+    """The backend's plan for p (numpy arrays), launched on the host build through the
+    backend's own _fill and _launch_all (T after S, as _scratch lays them)."""
     from convcov.backends import cupy as mod
 
-    lib, index = host_kernels
-    plan = _host_backend(sms)._plan(p, 0)
+    plan = _host_backend(sms, host_kernels)._plan(p, 0)
     scratch = np.full(plan.scratch + 64, np.nan, plan.acc)  # NaN: unwritten reads show
     base = scratch.ctypes.data + (-scratch.ctypes.data) % 256
-    c_bits = int(np.array(p.c_value, np.float64).view(np.int64))
-    for ln in plan.launches:
-        args = np.array(mod._fill(ln, p.out_info.ptr,
-                                  0 if p.gamma_info is None else p.gamma_info.ptr,
-                                  p.mu_info.ptr, 0 if p.c_info is None else p.c_info.ptr,
-                                  base + plan.t_offset, base, c_bits), np.int64)
-        getattr(lib, f"run_{index[ln.func]}")(ctypes.c_void_p(args.ctypes.data),
-                                              ctypes.c_longlong(ln.grid))
-    return [ln.func for ln in plan.launches]
+    cptr = 0 if p.c_info is None else p.c_info.ptr
+    args = mod._fill(plan, mod._CALL_SLOTS,
+                     (p.out_info.ptr, 0 if p.gamma_info is None else p.gamma_info.ptr,
+                      p.mu_info.ptr, cptr, base + plan.t_offset, base,
+                      mod._c_bits(cptr, p.c_value)))
+    mod._launch_all(plan, args)
+    return [ln.func.name for ln in plan.launches]
 
 
 def _host_call(host_kernels, out, g, mu, c, k, conv, sms=(4, 256)):
@@ -911,226 +667,110 @@ _HOST_CASES = [  # (B, Ci, Co, G, H, W, k, stride, padding, dilation)
 ]
 
 
-class _LauncherRuntime(_FakeRuntime):
-    """_FakeRuntime with a current device 0 and no stream being captured."""
-
-    def __init__(self, fail_capture=False):
-        super().__init__()
-        self.fail_capture = fail_capture
-
-    def getDevice(self):
-        return 0
-
-    def streamIsCapturing(self, stream):
-        return False
-
-    def streamBeginCapture(self, *args):
-        self.log.append(("streamBeginCapture",) + args)
-        if self.fail_capture:
-            raise RuntimeError("capture refused")
-
-
-def _bound_problem(monkeypatch, split, seed, device, stream_of, scratch_at):
-    """A small torch-kind Problem on CUDA device ``device`` for cupy's bound launcher on
-    the host (host planner, three launches), with its stream and kept scratch stood in:
-    ``stream_of(dev)``, ``scratch_at(dev)``; replays split the batch when ``split``."""
+@pytest.mark.parametrize("forced", ["direct", "three"])
+@pytest.mark.parametrize("c_form", ["number", "1d"])
+def test_bound_launcher_on_host(host_kernels, monkeypatch, forced, c_form):
+    """The bound launcher (the fast path of torch tensors), its kernels on the host build,
+    with stand-ins for CuPy's runtime and stream objects, torch's stream getter and torch's
+    allocator; the arrays on device 1 while device 0 is current. Each call launches every
+    kernel with device 1 current and CuPy's current stream set to torch's stream of device
+    1, takes its scratch (three launches: S and T) from torch's allocator for device 1 and
+    that stream and gives it back once the launches are queued, makes device 0 current
+    again, and adds the reference's term; calls share no state. A number c reaches the
+    kernels with its sign bit: on an out of -0.0, c = 0.0 and c = -0.0 give the
+    reference's signs, which differ."""
     import dataclasses
-
-    from convcov import _frontend
-    from convcov.backends import cupy as mod
-
-    monkeypatch.setattr(mod, "REPLAY_SPLIT_BYTES", 0 if split else 1 << 62)
-    monkeypatch.setattr(mod, "torch_stream_getter", lambda: stream_of)
-    monkeypatch.setattr(mod, "kept_torch_scratch",
-                        lambda nbytes, dev, stream: scratch_at(dev))
-    _force(monkeypatch, "three")
-    rng = np.random.default_rng(seed)
-    out, g, mu, c, k, conv = _problem(rng, "numpy", ["float32"] * 4, ["contiguous"] * 3,
-                                      c_form="number")
-    p = _frontend.normalise(out, g, mu, c, k, conv["stride"], conv["padding"],
-                            conv["dilation"], conv["groups"])
-    return dataclasses.replace(p, kind="torch", device=("cuda", device))
-
-
-@pytest.mark.parametrize("split", [False, True])
-def test_bound_launcher_replays_on_host(monkeypatch, split):
-    """The bound launcher's replay logic (host, stand-in CuPy runtime and driver, the host
-    planner): a key's first call launches plainly and records it, the second builds a
-    graph (two capture streams when split) and launches it on the call's stream, the
-    third only launches it; 0.0 and -0.0 as c are two keys, as are other addresses; a
-    capture that fails leaves that call and the later ones to plain launches."""
+    import weakref
     from types import SimpleNamespace as NS
 
-    p = _bound_problem(monkeypatch, split, 5, 0, lambda dev: 77, lambda dev: 4096)
-
-    def launcher(rt):
-        backend = _host_backend((4, 256))
-        launched = []
-        backend._cp = NS(cuda=NS(runtime=rt, driver=NS(
-            launchKernel=lambda func, grid, *rest: launched.append((func, rest[6])))))
-        return backend.bind(p), launched
-
-    rt = _LauncherRuntime()
-    run, launched = launcher(rt)
-    streams = 2 if split else 1
-
-    def call(cv, optr=1 << 20):
-        rt.log.clear()
-        launched.clear()
-        run(None, None, None, None, optr, 2 << 20, 3 << 20, 0, cv)
-        return [e[0] for e in rt.log]
-
-    assert call(0.0) == [] and [s for _, s in launched] == [77] * 3  # plain, recorded
-    built = call(0.0)  # built, then launched on the call's stream
-    assert built.count("streamCreateWithFlags") == streams
-    assert built.count("streamBeginCapture") == 1 and built[-1] == "graphLaunch"
-    assert rt.log[-1] == ("graphLaunch", 5, 77)
-    assert len(launched) == 3 * streams and 77 not in [s for _, s in launched]
-    assert call(0.0) == ["graphLaunch"] and launched == []  # replayed
-    assert call(-0.0) == [] and len(launched) == 3  # another key: plain, recorded
-    assert "graphInstantiate" in call(-0.0)
-    assert call(0.0, optr=5 << 20) == [] and len(launched) == 3  # other addresses
-    assert len(run.replays[0].graphs) == 2  # 0.0's and -0.0's
-
-    rt = _LauncherRuntime(fail_capture=True)
-    run, launched = launcher(rt)
-    call(0.0)
-    assert "streamBeginCapture" in call(0.0)  # tried, failed, then launched plainly
-    assert [s for _, s in launched] == [77] * 3 and run.replays[0] is None
-    assert call(0.0) == [] and len(launched) == 3  # plain from now on
-
-
-class _DeviceRuntime(_LauncherRuntime):
-    """_LauncherRuntime whose current device setDevice changes; ``at`` records which
-    device was current at each runtime call."""
-
-    def __init__(self):
-        super().__init__()
-        self.dev, self.at = 0, []
-
-    def getDevice(self):
-        return self.dev
-
-    def setDevice(self, dev):
-        self.dev = dev
-
-    def streamBeginCapture(self, *args):
-        self.at.append(("streamBeginCapture", self.dev))
-        return super().streamBeginCapture(*args)
-
-    def __getattr__(self, name):
-        inner = super().__getattr__(name)
-
-        def call(*args):
-            self.at.append((name, self.dev))
-            return inner(*args)
-
-        return call
-
-
-@pytest.mark.parametrize("split", [False, True])
-def test_bound_launcher_works_on_the_arrays_device_on_host(monkeypatch, split):
-    """Arrays on device 1 while the caller's current device is 0 (host, stand-in runtime
-    and driver): every kernel launch, the graph's capture and instantiation and its
-    launches happen with device 1 current, and device 0 is current again after each call.
-    (The two-GPU machine kind runs the real thing: test_second_gpu.)"""
-    from types import SimpleNamespace as NS
-
-    p = _bound_problem(monkeypatch, split, 7, 1, lambda dev: 70 + dev,
-                       lambda dev: 4096 * (dev + 1))
-    rt, launched = _DeviceRuntime(), []
-    backend = _host_backend((4, 256))
-    backend._cp = NS(cuda=NS(runtime=rt, driver=NS(
-        launchKernel=lambda func, grid, *rest: launched.append((rest[6], rt.dev)))))
-    run = backend.bind(p)
-    assert rt.dev == 0
-    for i in range(3):  # plain, built and launched, replayed
-        rt.at.clear()
-        launched.clear()
-        run(None, None, None, None, 1 << 20, 2 << 20, 3 << 20, 0, 0.5)
-        assert rt.dev == 0  # the caller's device again
-        assert launched if i < 2 else not launched
-        assert all(dev == 1 for _, dev in launched)
-        if i == 0:
-            assert all(stream == 71 for stream, _ in launched)  # device 1's stream
-        names = [n for n, _ in rt.at]
-        assert ("graphLaunch" in names) == (i > 0)
-        assert ("graphInstantiate" in names) == (i == 1)
-        assert all(dev == 1 for _, dev in rt.at)
-    assert len(run.replays[0].graphs) == 1
-
-
-def test_only_large_replays_split_the_batch():
-    """Replays run the batch's halves on two graph branches from REPLAY_SPLIT_BYTES of
-    gamma's and out's channel diagonals on: the bench's `mid` (292 MB) and half of it do,
-    a quarter of it (slower split on the H200: docs/cupy.md, "Replays") does not."""
-    import dataclasses
-
     from convcov import _frontend
     from convcov.backends import cupy as mod
 
-    rng = np.random.default_rng(6)
-    small = _frontend.normalise(*_problem(rng, "numpy", ["float32"] * 4, ["contiguous"] * 3)[:5],
-                                1, 0, 1, 2)
-
-    def mid(B, gamma="float32"):  # a problem with mid's sizes (no arrays that large)
-        return dataclasses.replace(small, B=B, Ci=32, Co=32, H=16, W=16, Ho=14, Wo=14,
-                                   gamma_info=gamma and small.gamma_info)
-
-    assert mod._moved(mid(16)) == 16 * (32 * 256**2 + 2 * 32 * 196**2) * 4
-    assert mod._moved(mid(16)) >= mod._moved(mid(8)) >= mod.REPLAY_SPLIT_BYTES
-    assert mod._moved(mid(4)) < mod.REPLAY_SPLIT_BYTES
-    assert mod._moved(mid(8, None)) < mod.REPLAY_SPLIT_BYTES  # no gamma to read
-
-
-@pytest.mark.parametrize("case", [0, 1, 3, 6])
-@pytest.mark.parametrize("dtype", ["float32", "float16", "float64"])
-@pytest.mark.parametrize("forced", ["three", "three-box"])
-@pytest.mark.parametrize("form", [(False, "diag"), (True, "full"), (False, None)])
-@pytest.mark.parametrize("B, parts", [(2, 2), (3, 2), (5, 3)])
-def test_batch_chunks_on_host(host_kernels, monkeypatch, case, dtype, forced, form, B, parts):
-    """The plan split into batch chunks (_split, as replays run them on a graph's
-    branches), launched chunk after chunk on the host build, gives the whole plan's bits:
-    B, the work counts, the grids and every address (gamma's absent one stays 0) are
-    scaled and offset per chunk, T and S included; chunks of unequal size too."""
-    import ctypes
-
-    from convcov import _frontend
-    from convcov.backends import cupy as mod
-
-    lib, index = host_kernels
     _force(monkeypatch, forced)
-    _, Ci, Co, G, H, W, k, stride, padding, dilation = _HOST_CASES[case]
-    full_out, gamma = form
-    rng = np.random.default_rng(case)
-    out, g, mu, c, k, conv = _problem(rng, "numpy", [dtype] * 4, ["contiguous"] * 3, B=B,
-                                      Ci=Ci, Co=Co, G=G, H=H, W=W, k=k, stride=stride,
-                                      padding=padding, dilation=dilation, full_out=full_out,
-                                      gamma=gamma)
-    whole = out.copy()
-    _host_call(host_kernels, whole, g, mu, c, k, conv)
-    p = _frontend.normalise(out, g, mu, c, k, conv["stride"], conv["padding"],
-                            conv["dilation"], conv["groups"])
-    plan = _host_backend((4, 256))._plan(p, 0)
-    assert len(plan.launches) == 3
-    scratch = np.full(plan.scratch + 64, np.nan, plan.acc)
-    base = scratch.ctypes.data + (-scratch.ctypes.data) % 256
-    chains = mod._split(plan, mod._batch(plan, p), parts)
-    assert [slots[0][2][mod._SLOT["B"]] for slots, _ in chains] == [
-        B // parts + (i < B % parts) for i in range(parts)]
-    gptr = 0 if g is None else p.gamma_info.ptr
-    # Launch by launch across the chunks (every chunk's T, then every S, then the
-    # updates), so chunks that shared T or S would overwrite each other's, as concurrent
-    # graph branches could.
-    for step in zip(*[[(sl, off) for sl in slots] for slots, off in chains]):
-        for (func, grid, args, _, _), off in step:
-            filled = np.array(mod._write(args, p.out_info.ptr + off.out,
-                                         gptr and gptr + off.gamma, p.mu_info.ptr + off.mu,
-                                         p.c_info.ptr, base + off.s + off.t, base + off.s,
-                                         0), np.int64)
-            getattr(lib, f"run_{index[func]}")(ctypes.c_void_p(filled.ctypes.data),
-                                               ctypes.c_longlong(grid))
-    np.testing.assert_array_equal(out.view(np.uint8), whole.view(np.uint8))
+    state = {"device": 0, "stream": None}
+    taken = []  # (nbytes, device, stream, the owner, weakly)
+
+    class Runtime:
+        def getDevice(self):
+            return state["device"]
+
+        def setDevice(self, dev):
+            state["device"] = dev
+
+    class StreamObject:  # what cupy.cuda.Stream.from_external gives: current inside `with`
+        def __init__(self, handle):
+            self.ptr, self.saved = handle, []
+
+        def __enter__(self):
+            self.saved.append(state["stream"])
+            state["stream"] = self.ptr
+            return self
+
+        def __exit__(self, *exc):
+            state["stream"] = self.saved.pop()
+
+    class Stream:
+        @staticmethod
+        def from_external(obj):
+            version, handle = obj.__cuda_stream__()
+            assert version == 0
+            return StreamObject(handle)
+
+    class Owner:
+        def __init__(self, nbytes):
+            self.buf = np.full(nbytes // 8 + 64, np.nan)  # NaN: unwritten reads show
+
+    def scratch(nbytes, dev, stream, current=False):
+        owner = Owner(nbytes)
+        taken.append((nbytes, dev, stream, weakref.ref(owner)))
+        return owner, owner.buf.ctypes.data + (-owner.buf.ctypes.data) % 256
+
+    monkeypatch.setattr(mod, "torch_stream_getter", lambda: lambda dev: 70 + dev)
+    monkeypatch.setattr(mod, "torch_scratch", scratch)
+    launched = []
+    backend = _host_backend((4, 256), host_kernels, launched,
+                            watch=lambda: (state["device"], state["stream"]))
+    backend._cp = NS(cuda=NS(runtime=Runtime(), Stream=Stream))
+
+    rng = np.random.default_rng(5)
+    out, g, mu, c, k, conv = _problem(rng, "numpy", ["float32"] * 4, ["contiguous"] * 3,
+                                      c_form=c_form)
+    p = dataclasses.replace(
+        _frontend.normalise(out, g, mu, c, k, conv["stride"], conv["padding"],
+                            conv["dilation"], conv["groups"]),
+        kind="torch", device=("cuda", 1))
+    run = backend.bind(p)
+    assert state == {"device": 0, "stream": None} and not taken
+    plan = next(iter(backend._plans.values()))
+    cptr = 0 if p.c_info is None else p.c_info.ptr
+
+    def call(o, cv):
+        launched.clear()
+        taken.clear()
+        run(None, None, None, None, o.ctypes.data, p.gamma_info.ptr, p.mu_info.ptr, cptr, cv)
+        assert state == {"device": 0, "stream": None}
+        _took([name for name, _ in launched], forced)
+        assert all(at == (1, 71) for _, at in launched), launched
+        if forced == "direct":
+            assert not taken
+        else:
+            ((nbytes, dev, stream, owner),) = taken
+            assert (nbytes, dev, stream) == (plan.scratch * 4, 1, 71)
+            assert owner() is None  # given back
+
+    for _ in range(2):
+        o = out.copy()
+        _check(o, g, mu, c, k, conv, run=lambda: call(o, p.c_value))  # noqa: B023
+    if c_form == "number":
+        signs = []
+        for cv in (0.0, -0.0):
+            o = np.full_like(out, -0.0)
+            ref = convcov.accumulate(o.astype(np.float64), g.astype(np.float64),
+                                     mu.astype(np.float64), cv, k, backend="numpy", **conv)
+            call(o, cv)
+            np.testing.assert_array_equal(np.signbit(o), np.signbit(ref))
+            signs.append(np.signbit(o))
+        assert not np.array_equal(*signs)
 
 
 @pytest.mark.parametrize("case", range(len(_HOST_CASES)))
@@ -1556,22 +1196,13 @@ def _vjp_check(gS, mu, gg, gm, k, conv, run, exact_nonfinite=False):
 
 def _run_vjp_on_host(host_kernels, a, sms):
     """The backend's backward plan for the Adjoint a (numpy arrays), on the host build."""
-    import ctypes
-
     from convcov.backends import cupy as mod
 
-    lib, index = host_kernels
-    plan = _host_backend(sms)._vjp_plan(a, 0)
+    plan = _host_backend(sms, host_kernels)._vjp_plan(a, 0)
     scratch = np.full(plan.scratch + 64, np.nan, plan.acc)  # NaN: unwritten reads show
     base = scratch.ctypes.data + (-scratch.ctypes.data) % 256 if plan.scratch else 0
-    ptrs = mod._vjp_pointers(a, plan, base)
-    for ln in plan.launches:
-        args = np.array(ln.args, np.int64)
-        for slot, ptr in zip(mod._VJP_PTR_SLOTS, ptrs):
-            args[slot] = ptr
-        getattr(lib, f"run_{index[ln.func]}")(ctypes.c_void_p(args.ctypes.data),
-                                              ctypes.c_longlong(ln.grid))
-    return [ln.func for ln in plan.launches]
+    mod._launch_all(plan, mod._fill(plan, mod._VJP_PTR_SLOTS, mod._vjp_pointers(a, plan, base)))
+    return [ln.func.name for ln in plan.launches]
 
 
 @pytest.fixture

@@ -197,44 +197,133 @@ def test_cuda_arrays_of_unknown_ordinal_go_with_any(fakes, monkeypatch):
         convcov.accumulate(out, None, mu, c, 3, backend="fake_cuda")
 
 
-def _libcuda_loaded() -> bool:
-    with open("/proc/self/maps") as maps:
-        return "libcuda.so" in maps.read()
+def test_the_driver_is_never_initialised_by_convcov():
+    """``import convcov`` imports no cuda-python. A generic CUDA array's device and stream
+    come from the CUDA driver through cuda.bindings, imported only then, and convcov never
+    initialises CUDA: where no library has, the answers are "unknown" and CUDA is still
+    uninitialised afterwards; where cuda-python or the driver is missing, the same, and no
+    error."""
+    code = textwrap.dedent("""
+        import sys
+        import convcov
+        from convcov import _arrays
+        assert "cuda.bindings" not in sys.modules, "import convcov imported cuda-python"
+
+        class A:
+            __cuda_array_interface__ = {"shape": (1,), "typestr": "<f4", "version": 3,
+                                        "data": (0x10000000, False)}
+
+        assert _arrays.info(A(), "x").device == ("cuda", None)
+        assert _arrays.pointer_device(0x10000000) is None
+        assert _arrays.stream_device(0x5000) is None
+        try:
+            from cuda.bindings import driver
+        except ImportError:
+            print("no cuda-python")
+            raise SystemExit
+        try:
+            err, _ = driver.cuDeviceGetCount()
+        except Exception:
+            print("no driver")
+            raise SystemExit
+        print(err.name)
+    """)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() in ("no cuda-python", "no driver", "CUDA_ERROR_NOT_INITIALIZED")
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
-def test_pointer_device_never_loads_the_driver():
-    """Where no CUDA driver is loaded, a generic CUDA array's device stays unknown, the
-    driver stays unloaded, and nothing is remembered: a driver loaded later is used."""
-    if _libcuda_loaded():
-        pytest.skip("a CUDA driver is loaded in this process")
-    assert _arrays.pointer_device(0x10000000) is None
-    assert _arrays.stream_device(0x5000) is None
-    assert _arrays.exchange_capture_mode(_arrays.CAPTURE_MODE_THREAD_LOCAL) is None
-    assert _arrays.info(FakeCudaArray((1,), ptr=0x10000000), "x").device == ("cuda", None)
-    assert not _libcuda_loaded() and not _arrays._driver_functions
+class _Driver:
+    """A stand-in for cuda.bindings.driver: calls return (CUresult, value) tuples, as
+    cuda-python's do; ``answers`` maps a call's name to its results, in turn (an exception
+    is raised), and ``asked`` records the calls."""
+
+    import enum as _enum
+
+    class CUresult(_enum.IntEnum):
+        CUDA_SUCCESS = 0
+        CUDA_ERROR_INVALID_VALUE = 1
+        CUDA_ERROR_NOT_INITIALIZED = 3
+
+    class CUpointer_attribute(_enum.IntEnum):
+        CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9
+
+    class CUstreamCaptureStatus(_enum.IntEnum):
+        CU_STREAM_CAPTURE_STATUS_NONE = 0
+        CU_STREAM_CAPTURE_STATUS_ACTIVE = 1
+
+    class CUstream:
+        def __init__(self, handle):
+            self.handle = handle
+
+    class CUdevice:  # cuStreamGetDevice's value: an object that int() turns into the ordinal
+        def __init__(self, ordinal):
+            self.ordinal = ordinal
+
+        def __int__(self):
+            return self.ordinal
+
+    def __init__(self, answers):
+        self.answers, self.asked = answers, []
+        for name in answers:
+            setattr(self, name, self._call(name))
+
+    def _call(self, name):
+        def call(*args):
+            self.asked.append((name,) + tuple(a.handle if isinstance(a, _Driver.CUstream)
+                                              else a for a in args))
+            answer = self.answers[name].pop(0)
+            if isinstance(answer, Exception):
+                raise answer
+            return answer
+        return call
 
 
-def test_capture_mode_exchange(monkeypatch):
-    """exchange_capture_mode gives the driver the new mode and returns the one it had; a
-    driver error changes nothing and returns None. The driver is a stand-in here; on a
-    GPU, the real one (where a driver is loaded: test_cupy.py's global capture test)."""
-    modes = [0]
+def test_driver_answers_and_errors(monkeypatch):
+    """pointer_device and stream_device read cuda-python's (CUresult, value) tuples: the
+    value on success, None on an error result, and nothing remembered (a driver initialised
+    later answers); a call that raises (no driver library, or a driver older than the call)
+    is None and not made again; no cuda-python at all is None. A stream being captured is
+    not asked for its device (that would end the capture); default-stream handles are not
+    asked about."""
+    R, S = _Driver.CUresult, _Driver.CUstreamCaptureStatus
+    drv = _Driver({
+        "cuPointerGetAttribute": [(R.CUDA_ERROR_NOT_INITIALIZED, 0), (R.CUDA_SUCCESS, 1),
+                                  (R.CUDA_ERROR_INVALID_VALUE, 0),
+                                  RuntimeError("no driver library")],
+        "cuStreamIsCapturing": [(R.CUDA_SUCCESS, S.CU_STREAM_CAPTURE_STATUS_ACTIVE),
+                                (R.CUDA_SUCCESS, S.CU_STREAM_CAPTURE_STATUS_NONE),
+                                (R.CUDA_SUCCESS, S.CU_STREAM_CAPTURE_STATUS_NONE),
+                                (R.CUDA_SUCCESS, S.CU_STREAM_CAPTURE_STATUS_NONE)],
+        "cuStreamGetDevice": [(R.CUDA_SUCCESS, _Driver.CUdevice(2)),
+                              AttributeError("a driver without cuStreamGetDevice")],
+    })
+    monkeypatch.setattr(_arrays, "_driver_module", drv)
+    monkeypatch.setattr(_arrays, "_unanswered", set())
+    ordinal = _Driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
+    assert _arrays.pointer_device(0x1000) is None  # not initialised yet ...
+    assert _arrays.pointer_device(0x1000) == 1  # ... and then it is
+    assert _arrays.pointer_device(0x2000) is None  # an address it does not know
+    assert _arrays.pointer_device(0) is None  # no address: not asked
+    assert drv.asked == [("cuPointerGetAttribute", ordinal, 0x1000)] * 2 + [
+        ("cuPointerGetAttribute", ordinal, 0x2000)]
+    assert _arrays.pointer_device(0x3000) is None  # raised: not asked again
+    assert _arrays.pointer_device(0x3000) is None and len(drv.asked) == 4
 
-    def driver_exchange(ref):
-        if modes[-1] == "fail":
-            return 1
-        modes.append(ref._obj.value)
-        ref._obj.value = modes[-2]
-        return 0
+    drv.asked.clear()
+    assert _arrays.stream_device(0x5000) is None  # being captured
+    assert _arrays.stream_device(0x5000) == 2
+    assert [a[0] for a in drv.asked] == ["cuStreamIsCapturing"] * 2 + ["cuStreamGetDevice"]
+    assert drv.asked[-1] == ("cuStreamGetDevice", 0x5000)
+    assert all(_arrays.stream_device(h) is None for h in _arrays.DEFAULT_STREAMS)
+    assert len(drv.asked) == 3
+    assert _arrays.stream_device(0x5000) is None  # an older driver ...
+    assert _arrays.stream_device(0x5000) is None  # ... is not asked again
+    assert [a[0] for a in drv.asked[3:]] == ["cuStreamIsCapturing", "cuStreamGetDevice",
+                                             "cuStreamIsCapturing"]
 
-    monkeypatch.setitem(_arrays._driver_functions, "cuThreadExchangeStreamCaptureMode",
-                        driver_exchange)
-    assert _arrays.exchange_capture_mode(_arrays.CAPTURE_MODE_THREAD_LOCAL) == 0
-    assert _arrays.exchange_capture_mode(0) == 1
-    assert modes == [0, 1, 0]
-    modes.append("fail")
-    assert _arrays.exchange_capture_mode(1) is None
+    monkeypatch.setattr(_arrays, "_driver_module", False)  # no cuda-python
+    assert _arrays.pointer_device(0x1000) is None and _arrays.stream_device(0x5000) is None
 
 
 def test_a_stream_of_another_device_is_refused(fakes, monkeypatch):

@@ -230,7 +230,7 @@ def test_import_of_convcov_does_not_import_numba_cuda():
 # ------------------------------------------------------------------ helpers
 def _forget_plans(monkeypatch):
     """Empty plan and bound-launcher caches for this test: both remember what the flags
-    chose (the path, the launch mode, the walk's shape) when a signature was first seen."""
+    chose (the path, the walk's shape) when a signature was first seen."""
     from convcov.backends import numba_cuda as mod
 
     monkeypatch.setattr(mod, "_plans", {})
@@ -430,56 +430,6 @@ def test_negative_strides_on_the_gpu(path, full_out, gamma):
     convcov.accumulate(*views, k, backend="numba_cuda", **cv)
     np.testing.assert_allclose(cupy.asnumpy(views[0]), want, rtol=1e-5,
                                atol=1e-5 * np.abs(want).max())
-
-
-def test_packed_arguments():
-    """A plan's launch arguments as the driver takes them (_pack): one 8-byte word an
-    argument, tuples spread out, negative ints as int64, floats as the accumulation type
-    in the word's low bytes, and where each per-call value (_Slot) goes."""
-    from convcov.backends import numba_cuda as mod
-
-    args = (mod._OUT, 7, (3, -2, 0), mod._CVAL, 0.5, (mod._S, 1))
-    words, fill, c_slot = mod._pack(args, "float32")
-    assert list(words) == [0, 7, 3, 2**64 - 2, 0, 0, 0x3F000000, 0, 1]
-    assert fill == ((0, 0), (7, 4)) and c_slot == 5
-    # The number c goes in per call through a view of the words as the accumulation
-    # type, as _Launch does: its bits in the low bytes of its slot.
-    memoryview(words).cast("B").cast("f")[2 * c_slot] = -1.5
-    assert words[5] == 0xBFC00000 and words[6] == 0x3F000000
-    words, _, c_slot = mod._pack(args, "float64")
-    assert words[6] == 0x3FE0000000000000
-    memoryview(words).cast("B").cast("d")[c_slot] = -1.5
-    assert words[5] == 0xBFF8000000000000
-    assert mod._bits(-1.5, "float32") == 0xBFC00000
-    assert mod._bits(-1.5, "float64") == 0xBFF8000000000000
-
-
-@gpu
-@pytest.mark.skipif(not has_cupy_gpu(), reason="negative strides on a GPU come from CuPy")
-@pytest.mark.parametrize("form", ["gamma-number", "none-array"])
-def test_packed_launch_matches_numbas_own(path, monkeypatch, form):
-    """The packed driver launch (FAST_LAUNCH) and Numba's own launch give the same bits:
-    every argument (negative strides, float16 out, a number or an array c, no gamma)
-    reaches the kernels as Numba itself would pass it."""
-    import cupy
-    from convcov.backends import numba_cuda as mod
-
-    rng = np.random.default_rng(11)
-    out0, g, mu, c, k, conv = _problem(rng, 2, 3, 4, 5, 6, (3, 2), True,
-                                       "full" if form == "gamma-number" else None,
-                                       padding=(1, 0))
-    cc = 0.75 if form == "gamma-number" else cupy.asarray(c, dtype=cupy.float32)
-    results = []
-    for fast in (True, False):
-        monkeypatch.setattr(mod, "FAST_LAUNCH", fast)
-        _forget_plans(monkeypatch)
-        out = cupy.asarray(out0, dtype=cupy.float16)[:, ::-1, :, ::-1, ::-1, :, ::-1]
-        gg = None if g is None else cupy.asarray(g, dtype=cupy.float32)[..., ::-1]
-        mm = cupy.asarray(mu, dtype=cupy.float32)[..., ::-1]
-        convcov.accumulate(out, gg, mm, cc, k, backend="numba_cuda", **conv)
-        results.append(cupy.asnumpy(out))
-    np.testing.assert_array_equal(results[0], results[1])
-    assert not np.array_equal(results[0], out0.astype(np.float16)[:, ::-1, :, ::-1, ::-1, :, ::-1])
 
 
 @available
@@ -727,61 +677,84 @@ def test_scratch_from_torchs_allocator():
     assert torch.cuda.memory_allocated() == before
 
 
-@pytest.mark.parametrize("kind, plugin", [("cai", True), ("cai", False), ("torch", True),
-                                          ("cupy", True)])
-def test_scratch_outlives_the_launches_under_a_plugin_allocator(monkeypatch, kind, plugin):
-    """Host, with stand-ins for the launches, the scratch and the driver: with a memory
-    manager plugin (RMM's), a generic array call's scratch is only given back after the
-    launch stream has finished the call's kernels; with Numba's own manager, and for torch
-    and CuPy scratch (their pools order reuse on the launch stream), nothing waits."""
+@pytest.mark.parametrize("kind", ["cai", "torch", "cupy"])
+def test_generic_array_scratch_is_held_until_its_launches_ran(monkeypatch, kind):
+    """Host, with stand-ins for the launches, the scratch and Numba's events: a generic
+    array call's scratch (a Numba device array, whose memory manager may be a plugin that
+    frees on a stream of its own) outlives the call, beside an event recorded on the
+    launch stream after its launches, also when a launch failed; a later call drops it
+    once that event has completed, oldest first, and nothing waits for one. torch and
+    CuPy scratch (their pools order reuse on the launch stream) goes back as the call
+    returns."""
     import weakref
 
     mod = sys.modules[type(BACKEND).__module__]
-    events = []
+    events, owners, log = [], [], []
 
     class Owner:
         pass
 
-    owners = []
-
-    def workspace(kind_, dev, n, acc, stream):
+    def workspace(kind_, dev, n, acc, handle, stream):
         owners.append(weakref.ref(o := Owner()))
         return o, 4096
 
-    class Driver:
-        class CUresult:
-            CUDA_SUCCESS = 0
+    class Event:
+        def __init__(self):
+            self.done = False
+            events.append(self)
 
+        def record(self, stream):
+            log.append(("record", stream))
+
+        def query(self):
+            return self.done
+
+        def synchronize(self):
+            raise AssertionError("the host waited for an event")
+
+    class Cuda:  # what _hold takes from numba.cuda
         @staticmethod
-        def cuStreamSynchronize(stream):
-            events.append(("sync", stream, owners[0]() is not None))
-            return (0,)
+        def event(timing=True):
+            assert not timing
+            return Event()
 
     class Plan:
         scratch, t_offset = 64, 128
-        launches = [lambda stream, values, i=i: events.append(("launch", i)) for i in range(3)]
+        launches = [lambda stream, values, i=i: log.append(("launch", i, stream))
+                    for i in range(3)]
 
     monkeypatch.setattr(mod, "_workspace", workspace)
-    monkeypatch.setattr(mod, "_plugin_allocator", lambda dev: plugin)
-    monkeypatch.setattr(mod, "_driver_stream", lambda handle: f"stream {handle}")
-    monkeypatch.setattr(mod, "_drv", Driver)
-    mod._launch_plan(Plan, kind, 7, 0, "float32", 1, 2, 3, 0, 1.5)
-    launches = [("launch", i) for i in range(3)]
-    waits = kind == "cai" and plugin
-    assert events == launches + ([("sync", "stream 7", True)] if waits else [])
-    assert owners[0]() is None  # given back when the call returns
+    monkeypatch.setattr(mod, "_numba_stream", lambda handle: f"stream {handle}")
+    monkeypatch.setattr(mod, "cuda", Cuda)
+    monkeypatch.setattr(mod, "_held", {})
 
-    # A launch that fails: those queued before it are still waited for.
+    def call():
+        mod._launch_plan(Plan, kind, 7, 0, "float32", 1, 2, 3, 0, 1.5)
+
+    call()
+    assert log[:3] == [("launch", i, "stream 7") for i in range(3)]
+    if kind != "cai":
+        assert len(log) == 3 and not events
+        assert owners[0]() is None
+        return
+    assert log[3:] == [("record", "stream 7")]
+    assert owners[0]() is not None  # its kernels may not have run yet
+    call()
+    events[1].done = True  # the second call's kernels ran, the first's not yet
+    call()
+    assert all(o() is not None for o in owners)
+    events[0].done = True
+    call()  # the first two go; the third's and fourth's events have not completed
+    assert [o() is None for o in owners] == [True, True, False, False]
+
     def fails(stream, values):
         raise RuntimeError("launch failed")
 
     Plan.launches = Plan.launches[:1] + [fails]
-    events.clear()
-    owners.clear()
     with pytest.raises(RuntimeError, match="launch failed"):
-        mod._launch_plan(Plan, kind, 7, 0, "float32", 1, 2, 3, 0, 1.5)
-    assert events == [("launch", 0)] + ([("sync", "stream 7", True)] if waits else [])
-    assert owners[0]() is None
+        call()
+    assert log[-2:] == [("launch", 0, "stream 7"), ("record", "stream 7")]
+    assert owners[4]() is not None  # held behind the launch that was queued
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device (this run: "
@@ -791,8 +764,9 @@ def test_scratch_under_rmm(guard):
     """On a GPU, with RMM's Numba plugin on a pool (tests/_rmm_scratch.py, its own
     process): another block taken right after a call on a non-blocking stream, while the
     call's kernels still wait behind a spin, must not be written by them, and out must be
-    right. Without the guard (the code before it) the same run must show the race, where
-    RMM gave the scratch block out again: so the check can fail."""
+    right. With the scratch dropped as the call returns instead of held (``--no-guard``)
+    the same run must show the race, where RMM gave the scratch block out again: so the
+    check can fail."""
     r = subprocess.run([sys.executable, _beside("_rmm_scratch.py")]
                        + ([] if guard else ["--no-guard"]),
                        env=_no_simulator(), capture_output=True, text=True, timeout=300)
@@ -802,6 +776,8 @@ def test_scratch_under_rmm(guard):
     if guard:
         assert r.returncode == 0, text[-4000:]
         assert "other block intact True" in r.stdout, text[-4000:]
+        # no host wait: the call returned with its kernels still queued behind the spin
+        assert "kernels queued on return True" in r.stdout, text[-4000:]
     elif "scratch block reused True" not in r.stdout:
         pytest.skip(f"RMM did not give the scratch block out again here: {text[-400:]}")
     else:

@@ -43,40 +43,34 @@ channel-diagonal of ``grad_gamma`` for every channel of the group; ``cc_vjp_mu``
 ``cc_vjp_link``), skipping the others, so absent terms stay absent. Scratch: ``D`` and
 the link tables, only when ``grad_mu`` is wanted.
 
-Kernels take one ``Args`` struct by value; a call packs it into a copy of a per-plan
-template and calls ``cuLaunchKernel`` through CuPy's driver binding, which keeps the
-Python path short. A torch call bound by the front end's fast path that comes again with
-the same addresses is one CUDA graph launch of those kernels (``_Replays``; large ones
-run the batch's halves on two branches of the graph: ``_split``). No shared memory is
-used: every tile's reuse is served by L1/L2.
+Kernels take one ``Args`` struct by value: a call copies the plan's templates (one int64
+row a launch), writes its addresses in, and launches each kernel with the public
+``cupy.RawKernel.__call__``, the row passed as a one-element NumPy array of the struct's
+dtype (``_ARGS``: CuPy's documented way to pass a custom structure by value). The launches
+go on CuPy's current stream, which is the launch stream itself for CuPy arrays and a CuPy
+stream object made current around them for any other (``_stream_object``). No shared
+memory is used: every tile's reuse is served by L1/L2. Repeated small calls are the
+user's to capture into a CUDA graph (``torch.cuda.graphs``, or
+``torch.compile(mode="reduce-overhead")``): a launch on torch's current stream with
+scratch from torch's allocator and no host wait is captured like any torch kernel.
 
-Must not: copy ``out`` or ``gamma``; synchronise the device; import cupy before the
+Must not: copy ``out`` or ``gamma``; synchronise the device or wait on the host; keep
+scratch from one call to the next; build CUDA graphs for the user; import cupy before the
 backend is used (``import convcov`` stays GPU-free).
 """
 
 from __future__ import annotations
 
-import array
 import contextlib
 import struct
 import threading
 
-from .._arrays import (CAPTURE_MODE_THREAD_LOCAL, CAPTURED, KEEP_SCRATCH, contiguous,
-                       diag_strides, exchange_capture_mode, kept_torch_scratch, launch_streams,
-                       torch_scratch, torch_stream_getter, vector_width)
+import numpy as np
+
+from .._arrays import (CAPTURED, contiguous, diag_strides, launch_streams, torch_scratch,
+                       torch_stream_getter, vector_width)
 from .._errors import BackendError
 from .._registry import Backend
-
-#: Whether bound launchers replay repeated calls as CUDA graphs (``_Replays``); read when
-#: a launcher is bound. False is for A/B measurements.
-REPLAY = True
-#: Replays of calls that move at least this many bytes (gamma's channel diagonal and
-#: out's, read and written) run two halves of the batch on two branches of the graph
-#: (_split): one half's channel sum beside the other's update. Measured on the H200
-#: (docs/cupy.md, "Replays"): about 7 µs less on `mid` (292 MB), about 2 on half of it,
-#: 5 µs more on a quarter of it, where each half is too small to fill the device.
-#: Read when a launcher is bound.
-REPLAY_SPLIT_BYTES = 1 << 27
 
 #: Dtype names -> (code used by the kernels' run-time typed loads, C++ storage type, bytes).
 _DTYPES = {
@@ -1149,8 +1143,20 @@ def _family_names(family):
                for kh, kw in ((0, 0), (3, 0), (3, 3))])
 
 
+#: The kernels' ``Args`` struct as a NumPy dtype: ``_ARGS_STRUCT``'s layout (every field 8
+#: bytes, in order, no padding). CuPy passes a one-element NumPy array by value, and the
+#: driver copies sizeof(Args) bytes from its data: the struct, as the kernel declares it.
+_ARGS = np.dtype({"names": list(_FIELDS),
+                  "formats": ["<f8" if f == "c_value" else "<i8" for f in _FIELDS]})
+#: Args slots a forward call writes, in the order _launch gives their values: the
+#: addresses of out, gamma, mu, c, T and S, and c's bits when c is a number (c_value).
+_CALL_SLOTS = np.array([_SLOT[n] for n in ("out", "gamma", "mu", "c", "t", "s", "c_value")])
+_BLOCK = (_THREADS,)
+
+
 class _Launch:
-    """One kernel launch of a plan: the function, grid, and Args with pointer slots empty."""
+    """One kernel launch of a plan: the kernel (a ``cupy.RawKernel``), its grid (blocks of
+    ``_THREADS``), and its Args as an int64 template with the address slots empty."""
 
     __slots__ = ("func", "grid", "args")
 
@@ -1158,22 +1164,34 @@ class _Launch:
         self.func, self.grid, self.args = func, grid, args
 
 
-def _fill(ln, optr, gptr, mptr, cptr, t_ptr, s_ptr, c_bits):
-    """A copy of ``ln``'s Args template with the call's addresses written in (_write, as
-    the launches write them; the test suite's host build runs the kernels on these)."""
-    return _write(ln.args[:], optr, gptr, mptr, cptr, t_ptr, s_ptr, c_bits)
+class _Launches:
+    """A plan's launches, their Args templates as one int64 array (a row a launch) that a
+    call copies and fills (``_fill``), and (kernel, grid) per launch for ``_launch_all``."""
+
+    __slots__ = ("launches", "template", "calls")
+
+    def __init__(self, launches):
+        self.launches = launches
+        self.template = np.stack([ln.args for ln in launches])
+        self.calls = tuple((ln.func, (ln.grid,)) for ln in launches)
 
 
-def _write(args, optr, gptr, mptr, cptr, t_ptr, s_ptr, c_bits):
-    """``args`` (an Args struct) with the call's addresses and c's bits written in."""
-    args[0] = optr
-    args[1] = gptr
-    args[2] = mptr
-    args[3] = cptr
-    args[4] = t_ptr
-    args[5] = s_ptr
-    args[-1] = c_bits
+def _fill(plan, slots, values):
+    """A copy of ``plan``'s Args templates with ``values`` written into the Args ``slots``
+    of every launch's row: a call's own arguments, so calls from several threads at once
+    share nothing they write."""
+    args = plan.template.copy()
+    args[:, slots] = values
     return args
+
+
+def _launch_all(plan, args):
+    """Launch ``plan``'s kernels, launch i with row i of ``args`` (``_fill``) as its Args,
+    on CuPy's current stream of the current device. Each row is viewed as a one-element
+    array of ``_ARGS``; CuPy keeps it alive through the launch, and the driver has copied
+    the parameters when the call returns."""
+    for (kernel, grid), a in zip(plan.calls, args.view(_ARGS)):
+        kernel(grid, _BLOCK, (a,))
 
 
 def _wait(runtime, stream, other):
@@ -1187,196 +1205,52 @@ def _wait(runtime, stream, other):
         runtime.eventDestroy(event)  # released once the wait is done with it
 
 
-def _slots(plan):
-    """Per launch of ``plan``: (function, grid, an Args struct of its own, the address of
-    a one-entry kernel-parameter array pointing at that struct, the array). cuLaunchKernel
-    copies the parameters, so a thread may reuse its slots as soon as a launch returns."""
-    slots = []
-    for ln in plan.launches:
-        args = ln.args[:]
-        params = array.array("Q", (args.buffer_info()[0],))  # void*[1] -> Args
-        slots.append((ln.func, ln.grid, args, params.buffer_info()[0], params))
-    return slots
+class _StreamHandle:
+    """A raw stream handle in the CUDA stream protocol (``__cuda_stream__``), for
+    ``cupy.cuda.Stream.from_external``."""
+
+    __slots__ = ("handle",)
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    def __cuda_stream__(self):
+        return (0, self.handle)
 
 
-def _enqueue(launch_kernel, slots, t_offset, stream, s_ptr, optr, gptr, mptr, cptr,
-             c_value):
-    """Launch every kernel of a plan through its ``slots`` (_slots) on ``stream`` (its
-    device current) with scratch at ``s_ptr`` (T at ``t_offset`` bytes) and the
-    addresses of out, gamma, mu and c (0 for an absent gamma, which the kernels test, and
-    for a number c, which they then take from c_value)."""
-    t_ptr = s_ptr + t_offset
-    c_bits = 0 if cptr else _INT64.unpack(_DOUBLE.pack(c_value))[0]
-    for func, grid, args, params, _ in slots:
-        _write(args, optr, gptr, mptr, cptr, t_ptr, s_ptr, c_bits)
-        launch_kernel(func, grid, 1, 1, _THREADS, 1, 1, 0, stream, params, 0)
-
-
-class _Replays:
-    """CUDA graphs of one bound launcher's launches, keyed by everything the launches are
-    given (scratch, the four addresses, c's bits): a call that comes again with the same
-    key is one ``cudaGraphLaunch`` instead of a ``cuLaunchKernel`` per kernel, less host
-    time before its first kernel (docs/cupy.md, "Replays"). A graph is built the second
-    time a key is seen, so calls whose addresses change every time pay a set lookup and
-    build nothing. At most ``MAX`` graphs a launcher, kept for the process; a key beyond
-    them launches plainly."""
-
-    MAX, SEEN = 8, 64
-    __slots__ = ("runtime", "graphs", "seen", "lock")
-
-    def __init__(self, runtime):
-        self.runtime, self.graphs, self.seen = runtime, {}, set()
-        self.lock = threading.Lock()
-
-    def build(self, key, launch_kernel, chains, s_ptr, optr, gptr, mptr, cptr, c_value):
-        """The executable graph of these launches (captured on private streams of the
-        current device), kept under ``key``; None when there is no room. ``chains``: one
-        or two (slots, offsets) (_split), each captured on its own branch, forked from and
-        joined back to the first. A failure raises, after ending the capture (the caller
-        then launches plainly, and its launcher stops trying)."""
-        rt = self.runtime
-        with self.lock:
-            if len(self.graphs) >= self.MAX:
-                return None
-            made = []  # streams and events to destroy
-            # Heed only this thread's captures while building: under another thread's
-            # global capture (torch.cuda.graph's default), a call below failed and
-            # invalidated that capture (H200, 2026-12-01).
-            mode = exchange_capture_mode(CAPTURE_MODE_THREAD_LOCAL)
-            try:
-                streams = []
-                for _ in chains:
-                    streams.append(rt.streamCreateWithFlags(rt.streamNonBlocking))
-                    made.append((rt.streamDestroy, streams[-1]))
-                events = []
-                for _ in range(2 if len(chains) > 1 else 0):
-                    events.append(rt.eventCreateWithFlags(rt.eventDisableTiming))
-                    made.append((rt.eventDestroy, events[-1]))
-                # Thread-local: other threads' calls stay unrestricted while we capture.
-                rt.streamBeginCapture(streams[0], rt.streamCaptureModeThreadLocal)
-                graph = 0
-                try:
-                    try:
-                        if events:  # fork: the other branches wait for the first's start
-                            rt.eventRecord(events[0], streams[0])
-                            for st in streams[1:]:
-                                rt.streamWaitEvent(st, events[0])
-                        for (slots, off), st in zip(chains, streams):
-                            _enqueue(launch_kernel, slots, off.t, st, s_ptr + off.s,
-                                     optr + off.out, gptr and gptr + off.gamma,
-                                     mptr + off.mu, cptr, c_value)
-                        if events:  # join
-                            for st in streams[1:]:
-                                rt.eventRecord(events[1], st)
-                                rt.streamWaitEvent(streams[0], events[1])
-                    finally:
-                        graph = rt.streamEndCapture(streams[0])
-                    exe = rt.graphInstantiate(graph)
-                finally:
-                    if graph:
-                        rt.graphDestroy(graph)
-            finally:
-                for destroy, handle in reversed(made):
-                    destroy(handle)
-                if mode is not None:
-                    exchange_capture_mode(mode)
-            self.graphs[key] = exe
-            return exe
-
-
-def _moved(p):
-    """Bytes problem p moves: gamma's channel diagonal read, out's read and written."""
-    gamma, out = p.diagonal_bytes()
-    return gamma + 2 * out
-
-
-def _batch(plan, p):
-    """What _split needs to know of a call's problem (not the problem: a launcher must
-    not keep the first call's arrays alive)."""
-    acc = 8 if plan.acc == "float64" else 4
-    sizes = tuple(_DTYPES[i.dtype][2] if i is not None else 0
-                  for i in (p.out_info, p.gamma_info, p.mu_info))
-    return p.B, p.G * (p.H * p.W) ** 2 * acc, p.G * (p.Ho * p.Wo) ** 2 * acc, sizes
-
-
-class _Offsets:
-    """Byte offsets of one batch chunk's addresses from the call's, and its T offset
-    from its own S (what _enqueue's ``t_offset`` takes)."""
-
-    __slots__ = ("out", "gamma", "mu", "s", "t")
-
-    def __init__(self, out, gamma, mu, s, t):
-        self.out, self.gamma, self.mu, self.s, self.t = out, gamma, mu, s, t
-
-
-def _split(plan, batch, parts):
-    """``plan``'s launches as ``parts`` chunks of the batch: per chunk (its own slots,
-    _Offsets). Each chunk's launches are the plan's with B and the work counts scaled and
-    the addresses offset to its first batch element (its S and T: the same offsets in the
-    scratch), so the chunks together compute what the plan does, with the same bits (each
-    output element's sum is the same arithmetic, in the same order). For _Replays: the
-    chunks run on parallel branches of one graph, one chunk's channel sum beside another's
-    update. ``batch``: (B, bytes of T and of S a batch element, the item sizes of out,
-    gamma and mu) (_batch)."""
-    B, t_plane, s_plane, sizes = batch
-    chains, b0 = [], 0
-    for k in range(parts):
-        bc = B // parts + (k < B % parts)
-        launches = []
-        for ln in plan.launches:
-            args = ln.args[:]
-            n = args[_SLOT["n"]]
-            args[_SLOT["B"]] = bc
-            args[_SLOT["n"]] = n * bc // B  # (every count is B times a per-element one)
-            grid = -(-args[_SLOT["n"]] // _THREADS) if n else ln.grid * bc // B
-            launches.append(_Launch(ln.func, grid, args))
-        a = plan.launches[0].args
-        off = _Offsets(b0 * a[_SLOT["so0"]] * sizes[0], b0 * a[_SLOT["sg0"]] * sizes[1],
-                       b0 * a[_SLOT["sm0"]] * sizes[2], b0 * s_plane,
-                       plan.t_offset + b0 * t_plane - b0 * s_plane)
-        chains.append((_slots(_Plan(launches, 0, 0, plan.acc)), off))
-        b0 += bc
-    return chains
-
-
-def _cu_launch(launch_kernel, ln, args, stream):
-    """cuLaunchKernel (CuPy's driver binding ``launch_kernel``) of ``ln`` with its filled
-    ``args`` (an Args struct, passed as the kernel's one parameter) on ``stream``."""
-    params = array.array("Q", (args.buffer_info()[0],))  # void*[1] -> Args
-    launch_kernel(ln.func, ln.grid, 1, 1, _THREADS, 1, 1, 0, stream, params.buffer_info()[0], 0)
-
-
-class _Plan:
+class _Plan(_Launches):
     """The launches of one call signature, and the scratch they need: ``scratch``
     elements of the accumulation type, S first (padded to 256 bytes), T at ``t_offset``
     bytes."""
 
-    __slots__ = ("launches", "scratch", "t_offset", "acc")
+    __slots__ = ("scratch", "t_offset", "acc")
 
     def __init__(self, launches, s_items, t_items, acc):
+        super().__init__(launches)
         size = 8 if acc == "float64" else 4
         s_pad = -(-s_items * size // _ALIGN) * _ALIGN // size
-        self.launches, self.acc = launches, acc
+        self.acc = acc
         self.scratch, self.t_offset = s_pad + t_items, s_pad * size
 
 
-class _VjpPlan:
+class _VjpPlan(_Launches):
     """The launches of one backward call signature: cc_vjp_link (the axes' link tables),
     cc_vjp_gamma (D, grad_gamma), cc_vjp_mu (grad_mu), those needed. Scratch:
     ``scratch`` accumulation-type elements, D first (``B*G*(H*W)**2``, only when grad_mu
     is wanted), the link tables (``H*H + W*W`` bytes) at ``lnk_offset`` bytes."""
 
-    __slots__ = ("launches", "scratch", "lnk_offset", "acc")
+    __slots__ = ("scratch", "lnk_offset", "acc")
 
     def __init__(self, launches, d_items, lnk_bytes, acc):
+        super().__init__(launches)
         size = 8 if acc == "float64" else 4
         d_bytes = -(-d_items * size // _ALIGN) * _ALIGN
-        self.launches, self.acc, self.lnk_offset = launches, acc, d_bytes
+        self.acc, self.lnk_offset = acc, d_bytes
         self.scratch = -(-(d_bytes + lnk_bytes) // size) if d_items or lnk_bytes else 0
 
 
 #: Args slots of the backward's addresses, in the order _vjp_pointers returns them.
-_VJP_PTR_SLOTS = tuple(_FIELDS.index(n) for n in ("gs", "gg", "gm", "mu", "dsc", "lnk"))
+_VJP_PTR_SLOTS = np.array([_SLOT[n] for n in ("gs", "gg", "gm", "mu", "dsc", "lnk")])
 
 
 def _vjp_pointers(a, plan, base):
@@ -1390,6 +1264,12 @@ def _vjp_pointers(a, plan, base):
 _DOUBLE = struct.Struct("<d")
 _INT64 = struct.Struct("<q")
 _ALIGN = 256  # bytes: scratch sub-buffers start on this boundary (vector loads need 16)
+_NO_STREAM_CHANGE = contextlib.nullcontext()
+
+
+def _c_bits(cptr, c_value):
+    """The Args bits of c_value: c, when it is a Python number (cptr 0), as a float64."""
+    return 0 if cptr else _INT64.unpack(_DOUBLE.pack(c_value))[0]
 
 
 class CupyBackend(Backend):
@@ -1400,10 +1280,10 @@ class CupyBackend(Backend):
     def __init__(self):
         self._lock = threading.Lock()  # guards compilation and the caches' first fill
         self._modules = {}  # family -> cupy.RawModule
-        self._functions = {}  # (name expression, device) -> cupy Function (keeps module loaded)
+        self._functions = {}  # (name expression, device) -> cupy.RawKernel loaded there
         self._plans = {}  # call signature (no pointers) -> _Plan
         self._device_info = {}  # device -> (multiprocessors, threads per multiprocessor)
-        self._tls = threading.local()  # devices whose context this thread has made current
+        self._stream_objects = {}  # raw stream handle -> a CuPy stream object for it
         self._cp = None
 
     # ------------------------------------------------------------ availability
@@ -1423,7 +1303,8 @@ class CupyBackend(Backend):
 
     # ------------------------------------------------------------ compilation
     def _function(self, name, family, dev):
-        """The CUfunction handle of ``name`` on device ``dev`` (current), compiling once."""
+        """The kernel ``name`` (a ``cupy.RawKernel`` of its family's ``RawModule``), loaded
+        on device ``dev`` (current), compiling once."""
         f = self._functions.get((name, dev))
         if f is None:
             with self._lock:
@@ -1434,9 +1315,9 @@ class CupyBackend(Backend):
                         mod = self._cp.RawModule(code=SOURCE, options=_OPTIONS,
                                                  name_expressions=_family_names(family))
                         self._modules[family] = mod
-                    f = mod.get_function(name).kernel  # compiles (once) and loads on dev
+                    f = mod.get_function(name)  # compiles (once) and loads on dev
                     self._functions[(name, dev)] = f
-        return f.ptr
+        return f
 
     def _sm_threads(self, dev):
         info = self._device_info.get(dev)
@@ -1480,7 +1361,7 @@ class CupyBackend(Backend):
             if grid is None:
                 grid = -(-n // _THREADS)
             return _Launch(self._function(name, family, dev), min(grid, 2**31 - 1),
-                           array.array("q", vals))
+                           np.array(vals, np.int64))
 
         def chunks(items, want):
             # Split each group's output channels into chunks when one chunk per row
@@ -1587,7 +1468,7 @@ class CupyBackend(Backend):
             for k, val in {**base, "n": n, **kw}.items():
                 vals[_SLOT[k]] = int(val)
             return _Launch(self._function(name, family, dev), min(-(-n // _THREADS), 2**31 - 1),
-                           array.array("q", vals))
+                           np.array(vals, np.int64))
 
         launches = []
         if gm is not None:
@@ -1615,9 +1496,9 @@ class CupyBackend(Backend):
         backward: ``plan.scratch`` accumulation-type elements; 0 when it has none) for the
         launches queued on ``stream`` inside the block. Allocated stream-ordered from the
         arrays' library (torch's caching allocator for torch tensors,
-        ``convcov._arrays.torch_scratch``) and freed when the block ends: the memory is
-        only reused by work queued behind the launches, and a CUDA-graph capture sees no
-        foreign allocation."""
+        ``convcov._arrays.torch_scratch``; CuPy's memory pool otherwise) and freed when the
+        block ends: the memory is only reused by work queued behind the launches, and a
+        CUDA-graph capture sees no foreign allocation."""
         if not plan.scratch:
             yield 0
         elif kind == "torch":
@@ -1642,6 +1523,28 @@ class CupyBackend(Backend):
             finally:
                 _wait(cp.cuda.runtime, current, stream)
 
+    def _stream_object(self, handle):
+        """A CuPy stream object for raw stream handle ``handle``, to make CuPy's current
+        stream around launches (``with``): ``cupy.cuda.Stream.from_external`` where CuPy
+        has it (14 and later), else ``cupy.cuda.ExternalStream``. It only holds the handle
+        (device -1: the current one), so one object serves every call on that handle."""
+        s = self._stream_objects.get(handle)
+        if s is None:
+            cuda = self._cp.cuda
+            if hasattr(cuda.Stream, "from_external"):
+                s = cuda.Stream.from_external(_StreamHandle(handle))
+            else:
+                s = cuda.ExternalStream(handle)
+            if len(self._stream_objects) >= 64:  # many streams: start over rather than grow
+                self._stream_objects.clear()
+            self._stream_objects[handle] = s
+        return s
+
+    def _on_stream(self, kind, stream):
+        """A context in which CuPy's current stream is the launch stream ``stream``: it
+        already is for CuPy arrays (``launch_streams``)."""
+        return _NO_STREAM_CHANGE if kind == "cupy" else self._stream_object(stream)
+
     def _streams(self, call, dev):
         """(the launch stream of a call, the streams to make wait for its launches
         afterwards: ``_follow``), as ``launch_streams`` picks them; the launch stream made
@@ -1649,9 +1552,9 @@ class CupyBackend(Backend):
         each, no host wait)."""
         stream, waits, then = launch_streams(call.kind, dev, call.infos, call.written)
         if call.kind == "cai":
-            runtime = self._cp.cuda.runtime
-            if stream not in (0, 1) and runtime.streamIsCapturing(stream):
+            if stream not in (0, 1) and self._stream_object(stream).is_capturing():
                 raise BackendError(f"cupy: {CAPTURED}")
+            runtime = self._cp.cuda.runtime
             for w in waits:
                 _wait(runtime, stream, w)
         return stream, then
@@ -1673,14 +1576,8 @@ class CupyBackend(Backend):
         runtime = cp.cuda.runtime
         prev = runtime.getDevice()
         dev = device[1] if device[1] is not None else prev
-        ready = getattr(self._tls, "ready", None)
-        if ready is None:
-            ready = self._tls.ready = set()
-        if dev != prev or dev not in ready:
-            # cudaSetDevice also makes the device's primary context current on this
-            # thread, which the driver-level launches need (fresh threads have none).
+        if dev != prev:
             runtime.setDevice(dev)
-            ready.add(dev)
         return cp, dev, (prev if dev != prev else None)
 
     def _on_device(self, device, fn, *args):
@@ -1719,84 +1616,43 @@ class CupyBackend(Backend):
         of out, gamma, mu and c (0 for an absent gamma, which the kernels test, and for a
         number c, which they then take from c_value)."""
         with self._scratch(kind, plan, dev, stream) as s_ptr:
-            _enqueue(self._cp.cuda.driver.launchKernel, _slots(plan), plan.t_offset, stream,
-                     s_ptr, optr, gptr, mptr, cptr, c_value)
+            args = _fill(plan, _CALL_SLOTS, (optr, gptr, mptr, cptr, s_ptr + plan.t_offset,
+                                             s_ptr, _c_bits(cptr, c_value)))
+            with self._on_stream(kind, stream):
+                _launch_all(plan, args)
 
     def bind(self, p):
         """The launcher of p's signature for the front end's fast path (Backend.bind): the
-        plan is found once; a call makes the device current, reads the stream, takes
-        scratch (the thread's kept block when it is small: _arrays.kept_torch_scratch) and
-        launches. The fast path binds torch calls only; what _on_device and
-        _launch look up on each call is looked up here, once: the host's time before the
-        first kernel is the GPU's idle time in a small call."""
+        plan, the stream getter and the scratch size are found once; a call makes the
+        device current, reads torch's current stream, takes scratch from torch's allocator
+        and launches (what ``accumulate`` does for torch tensors, without the lookups).
+        The fast path binds torch calls only."""
         if p.device[1] is None or p.kind != "torch":
             return None
         plan = self._on_device(p.device, self._plan_of, p)  # compiled and loaded there
-        device = p.device
-        enter, tls, runtime = self._enter, self._tls, self._cp.cuda.runtime
+        dev = p.device[1]
+        runtime = self._cp.cuda.runtime
         get_device, set_device = runtime.getDevice, runtime.setDevice
-        launch_kernel, stream_of = self._cp.cuda.driver.launchKernel, torch_stream_getter()
-        capturing = runtime.streamIsCapturing
+        stream_of, stream_object = torch_stream_getter(), self._stream_object
         nbytes = plan.scratch * (8 if plan.acc == "float64" else 4)
-        keep = 0 < nbytes <= KEEP_SCRATCH  # small: the thread keeps it (kept_torch_scratch)
-        dev = device[1]
-        # The first thread to call uses slots made here (_slots); others make theirs per
-        # call. 1.8 -> 0.7 µs of Python for three launches on this project's host.
-        own, owner, claim = _slots(plan), [None], threading.Lock()
-        get_ident, t_offset = threading.get_ident, plan.t_offset
-        # Replays need scratch at a fixed address: the thread's kept block.
-        replays = [_Replays(runtime) if keep and REPLAY else None]
-        parts = 2 if (replays[0] is not None and p.B >= 2
-                      and _moved(p) >= REPLAY_SPLIT_BYTES
-                      and all(ln.grid < 2**31 - 1 for ln in plan.launches)) else 1
-        batch = _batch(plan, p)
-        whole = _Offsets(0, 0, 0, 0, t_offset)
-        graph_launch = runtime.graphLaunch
+        t_offset = plan.t_offset
 
         def run(out, gamma, mu, c, optr, gptr, mptr, cptr, c_value):
-            prev = None
-            if get_device() != dev or dev not in getattr(tls, "ready", ()):
-                prev = enter(device)[2]  # make it current (and this thread ready)
+            prev = get_device()
+            if prev != dev:
+                set_device(dev)
             try:
                 stream = stream_of(dev)
-                if keep and not capturing(stream):
-                    buf, s_ptr = None, kept_torch_scratch(nbytes, dev, stream)
-                    r = replays[0]
-                    if r is not None:
-                        key = (s_ptr, optr, gptr, mptr, cptr,
-                               0 if cptr else _INT64.unpack(_DOUBLE.pack(c_value))[0])
-                        exe = r.graphs.get(key)
-                        if exe is None and key in r.seen:
-                            try:
-                                chains = (_split(plan, batch, parts) if parts > 1
-                                          else [(_slots(plan), whole)])
-                                exe = r.build(key, launch_kernel, chains, s_ptr, optr,
-                                              gptr, mptr, cptr, c_value)
-                            except Exception:
-                                replays[0] = None  # no graphs here: plain launches
-                        elif exe is None:
-                            if len(r.seen) >= r.SEEN:
-                                r.seen.clear()
-                            r.seen.add(key)
-                        if exe is not None:
-                            graph_launch(exe, stream)
-                            return
-                else:
-                    buf, s_ptr = (torch_scratch(nbytes, dev, stream, True) if nbytes
-                                  else (None, 0))
-                me = get_ident()
-                if owner[0] is None:
-                    with claim:
-                        if owner[0] is None:
-                            owner[0] = me
-                _enqueue(launch_kernel, own if owner[0] == me else _slots(plan), t_offset,
-                         stream, s_ptr, optr, gptr, mptr, cptr, c_value)
-                del buf  # back to its stream-ordered pool, after our kernels
+                owner, s_ptr = torch_scratch(nbytes, dev, stream) if nbytes else (None, 0)
+                args = _fill(plan, _CALL_SLOTS, (optr, gptr, mptr, cptr, s_ptr + t_offset,
+                                                 s_ptr, _c_bits(cptr, c_value)))
+                with stream_object(stream):
+                    _launch_all(plan, args)
+                del owner  # back to its stream-ordered pool, behind the launches
             finally:
-                if prev is not None:
+                if prev != dev:
                     set_device(prev)
 
-        run.replays = replays  # (tests look at its graphs)
         return run
 
     def patch_moment_vjp(self, a) -> None:
@@ -1812,14 +1668,10 @@ class CupyBackend(Backend):
                None if gm is None else (gm.dtype, gm.shape, gm.strides))
         plan = self._cached(key, self._vjp_plan, a, dev)
         stream, then = self._streams(a, dev)
-        launch_kernel = self._cp.cuda.driver.launchKernel
         with self._scratch(a.kind, plan, dev, stream) as base:
-            ptrs = _vjp_pointers(a, plan, base)
-            for ln in plan.launches:
-                args = ln.args[:]
-                for slot, ptr in zip(_VJP_PTR_SLOTS, ptrs):
-                    args[slot] = ptr
-                _cu_launch(launch_kernel, ln, args, stream)
+            args = _fill(plan, _VJP_PTR_SLOTS, _vjp_pointers(a, plan, base))
+            with self._on_stream(a.kind, stream):
+                _launch_all(plan, args)
         self._follow(stream, then)
 
 

@@ -51,13 +51,24 @@ dtype (float64 sums reach bfloat16 through round-to-odd float32: one rounding).
 Arrays travel as raw device pointers plus element strides (``CPointer`` kernel arguments),
 so every stride, torch's bfloat16 (its ``__cuda_array_interface__`` is unusable) and any
 library work alike, with no array objects to build per call. Kernels are compiled with an
-explicit signature per dtype combination. A call signature's launches are planned once
-(``_plan``: kernels, launch sizes, every argument packed into 8-byte words, ``_pack``);
-a call writes its addresses into the words and hands them to ``cuLaunchKernel``, which
-keeps a call's host time short (the seed's toy, ``mid``). On compute capability 9.0 and
-later a plan's second and third launches are programmatic dependents (``_pdl``): their
-blocks may start while the kernel ahead drains, and they wait (``griddepcontrol.wait``)
-before their first load.
+explicit signature per dtype combination, so Numba's kernel call passes the arguments
+without type resolution. A call signature's launches are planned once (``_plan``:
+kernels, launch sizes, every argument but the addresses and the number c); a call fills
+those in and launches each kernel through Numba's public kernel call,
+``kernel[grid, block, stream, 0](*args)``, on the stream object of
+``cuda.external_stream(handle)`` (one per handle, reused: ``_numba_stream``). Where
+repeated calls should cost fewer launches, capture them with ``torch.cuda.graphs``.
+
+Scratch (S and T) comes from the arrays' library, on the launch stream: torch's caching
+allocator (``_arrays.torch_scratch``) and CuPy's pool order a freed block's reuse on the
+stream it was taken on, so their block is given back once the launches are queued.
+Generic CUDA arrays take a Numba device array (``cuda.device_array(..., stream=)``).
+Numba's memory manager may be a plugin (RMM's), and the plugin interface has no stream:
+such a plugin may hand a freed block out again before the kernels queued on the launch
+stream have run. So that block is kept alive, with an event recorded after the launches
+(``cuda.event``, ``Event.record``), until a later call finds the event completed
+(``Event.query``) and drops it (``_hold``, ``_release``): no host wait, whatever the
+memory manager.
 
 Under Numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``, CI without a GPU) the same
 kernels run on the CPU: the backend then declares ``device = "cpu"`` and receives numpy
@@ -72,10 +83,10 @@ import numba.cuda before the backend is used (``import convcov`` stays GPU-free)
 
 from __future__ import annotations
 
-import array
+import atexit
+import collections
 import dataclasses
 import functools
-import struct
 import sys
 import threading
 
@@ -94,7 +105,6 @@ from .._arrays import (
 )
 from .._errors import BackendError
 from .._registry import Backend
-from . import _pdl
 
 try:
     import numba
@@ -508,33 +518,6 @@ if _IMPORT_ERROR is None:
                 return builder.zext(h, _I32)
             return sig, codegen
 
-    # Programmatic dependent launch (_pdl; compute capability 9.0 and later, else nothing
-    # is emitted): a kernel launched as a dependent waits (griddepcontrol.wait) for the
-    # kernel ahead, its completion and memory, before reading what that kernel wrote; a
-    # kernel lets its dependent's blocks be scheduled early (launch_dependents), onto the
-    # multiprocessors it leaves free as it drains. The device compiled for is the current
-    # one (Numba's disk cache keys kernels by its compute capability).
-    def _make_griddepcontrol(op):
-        if SIM:
-            def nothing():
-                pass
-            return nothing
-
-        @intrinsic
-        def griddepcontrol(typingctx):
-            sig = nbt.void()
-
-            def codegen(context, builder, sig, args):
-                if cuda.get_current_device().compute_capability >= (9, 0):
-                    builder.asm(ir.FunctionType(ir.VoidType(), []), f"griddepcontrol.{op};",
-                                "~{memory}", [], side_effect=True)
-                return context.get_dummy_value()
-            return sig, codegen
-        return griddepcontrol
-
-    _pdl_wait = _make_griddepcontrol("wait")
-    _pdl_launch_dependents = _make_griddepcontrol("launch_dependents")
-
 # ---------------------------------------------------------------------------------------
 # The forward kernels. Index names follow SPEC section 1. Arrays are (pointer, base,
 # strides): element [i, j, ...] is ptr[base + i*s0 + j*s1 + ...]; the channel stride of
@@ -557,7 +540,6 @@ if _IMPORT_ERROR is None:
         div = _div if DIV32 else _div64
 
         def gsum(tptr, gptr, gbase, gst, has_g, mptr, mbase, mst, geo, n, zero):
-            _pdl_launch_dependents()  # S's kernel may take the multiprocessors left
             G, Cg, W = geo[1], geo[2], geo[5]
             HW = geo[4] * W
             nqv = HW // V
@@ -643,8 +625,6 @@ if _IMPORT_ERROR is None:
         ld = _LDV[1, READONLY]
 
         def sbox(sptr, tptr, geo, n, zero):
-            _pdl_launch_dependents()  # ... and out's update those this one leaves
-            _pdl_wait()  # T complete (a dependent launch)
             H, W, Ho, Wo, kh, kw = geo[4], geo[5], geo[6], geo[7], geo[8], geo[9]
             sh, sw, ph, pw, dh, dw = geo[10], geo[11], geo[12], geo[13], geo[14], geo[15]
             HW = H * W
@@ -756,8 +736,6 @@ if _IMPORT_ERROR is None:
         div = _div if DIV32 else _div64
 
         def sbox_walk(sptr, tptr, geo, n, zero):
-            _pdl_launch_dependents()  # ... and out's update those this one leaves
-            _pdl_wait()  # T complete (a dependent launch)
             H, W, Ho, Wo = geo[4], geo[5], geo[6], geo[7]
             kw = KW if KW else geo[9]
             kh = KH if KH else geo[8]
@@ -942,11 +920,6 @@ if _IMPORT_ERROR is None:
                 # dv vectors on, plus one row when the vectors wrap (dv < nvec).
                 dr = div(nt, nvec)
                 dv = nt - dr * nvec
-            # S complete (a dependent launch), and everything before it: no load before
-            # this. (Loading the first tile's out before the wait is not covered by it,
-            # see _pdl; here it also took 100 registers instead of 90 and was slower:
-            # H200, 2026-11-30, ab49.py, mid 117 against 108 us of GPU time.)
-            _pdl_wait()
             tile = cuda.blockIdx.x
             while tile < ntiles:  # block-uniform
                 r1 = tdiv(tile, tiles)  # neighbouring blocks: neighbouring memory
@@ -1258,13 +1231,14 @@ _PTR_TYPE = {"float16": "float16", "bfloat16": "uint16", "float32": "float32",
              "float64": "float64"}
 
 _lock = threading.Lock()
-_compiled: dict = {}  # (kernel name, element types) -> compiled kernel
-_device_kernels: dict = {}  # (kernel name, element types, device id) -> driver function
+_compiled: dict = {}  # (kernel name, element types, acc, V) -> Numba's dispatcher
 _streams: dict = {}  # stream handle -> the driver binding's CUstream (a non-owning wrapper)
+_numba_streams: dict = {}  # stream handle -> what Numba's kernel call takes for it
 _limits: dict = {}  # device id -> Limits
 _plans: dict = {}  # (device id, Problem.layout_key()) -> _Plan
-_plugins: dict = {}  # device id -> whether Numba's memory manager there is a plugin
-_drv = None  # cuda.bindings.driver, imported on the first launch
+_held: dict = {}  # device id -> deque of (event, scratch) of generic arrays' calls (_hold)
+_held_lock = threading.Lock()  # not _lock: that one is held while a kernel compiles
+_drv = None  # cuda.bindings.driver, imported on first use (_driver)
 
 
 def _signature(name, elems, acc):
@@ -1331,10 +1305,9 @@ def _kernel(name, elems, acc, V=1):
 class Limits:
     """What the launch sizes are computed from, read off one device."""
 
-    def __init__(self, sms, threads_per_sm, cc=(0, 0)):
+    def __init__(self, sms, threads_per_sm):
         self.sms = sms
         self.threads_per_sm = threads_per_sm
-        self.cc = cc  # compute capability
 
     @property
     def capacity(self):
@@ -1364,8 +1337,7 @@ def _device_limits(dev_id):
             lim = Limits(2, 2 * THREADS)
         else:
             d = cuda.get_current_device()
-            lim = Limits(d.MULTIPROCESSOR_COUNT, d.MAX_THREADS_PER_MULTIPROCESSOR,
-                         d.compute_capability)
+            lim = Limits(d.MULTIPROCESSOR_COUNT, d.MAX_THREADS_PER_MULTIPROCESSOR)
         _limits[dev_id] = lim
     return lim
 
@@ -1424,6 +1396,30 @@ def _driver_stream(handle):
     return st
 
 
+def _numba_stream(handle):
+    """What Numba's kernel call and allocations take for the stream of raw ``handle``
+    (its context current): 0 for the null handle (Numba's default stream, the legacy
+    one), ``cuda.legacy_default_stream()`` and ``cuda.per_thread_default_stream()`` for
+    CU_STREAM_LEGACY and CU_STREAM_PER_THREAD, else ``cuda.external_stream(handle)``.
+    Numba never destroys an external stream (the object holds the handle and nothing
+    else), so one object per handle serves every call; reusing it also lets Numba's
+    kernel call reuse its launch configuration for a grid, block and stream."""
+    st = _numba_streams.get(handle)
+    if st is None:
+        if handle == 0:
+            st = 0
+        elif handle == 1:
+            st = cuda.legacy_default_stream()
+        elif handle == 2:
+            st = cuda.per_thread_default_stream()
+        else:
+            st = cuda.external_stream(handle)
+        if len(_numba_streams) > 1024:  # streams come and go: keep the table bounded
+            _numba_streams.clear()
+        _numba_streams[handle] = st
+    return st
+
+
 def _launch_stream(call, dev_id):
     """(the raw handle of a call's launch stream, the raw handles of the streams to make
     wait for its launches afterwards: ``_follow``), as ``launch_streams`` picks them; the
@@ -1461,37 +1457,59 @@ def _follow(handle, then):
         _wait(_driver_stream(t), handle)
 
 
-def _workspace(kind, dev, n, acc, stream):
+def _workspace(kind, dev, n, acc, handle, stream):
     """Scratch for S and T, ``n`` elements of ``acc`` on device ``dev``, from the arrays'
-    own library, ordered on the launch stream (raw handle ``stream``): (owner, address);
-    drop the owner after the launches."""
+    own library, on the launch stream (raw ``handle``; ``stream``, Numba's object for
+    it): (owner, address). torch's caching allocator and CuPy's pool order a freed
+    block's reuse on the stream it was taken on, so their owner is dropped once the
+    launches are queued; a Numba device array is held until they have run (_hold)."""
     n = max(n, 1)
     if kind == "torch":
-        return torch_scratch(n * ITEMSIZE[acc], dev, stream)
+        return torch_scratch(n * ITEMSIZE[acc], dev, handle)
     if kind == "cupy":
         cupy = sys.modules["cupy"]
         with cupy.cuda.Device(dev):
             t = cupy.empty(n, dtype=acc)
         return t, t.data.ptr
-    t = cuda.device_array(n, dtype=acc)
+    t = cuda.device_array(n, dtype=acc, stream=stream)
     return t, t.__cuda_array_interface__["data"][0]
 
 
-def _plugin_allocator(dev):
-    """Whether Numba's memory manager on device ``dev`` (its context current) is an
-    external plugin (an EMM such as RMM's) rather than Numba's own. Numba's own frees a
-    block with cuMemFree, which waits for the work that may use it, and only later (its
-    deallocations are deferred); a plugin may give the block back to a pool on a stream
-    of its own choosing (RMM's: its default stream), unordered with the launch stream,
-    and hand it out again while the kernels still use it. A context's manager is fixed
-    when the context is made."""
-    plugin = _plugins.get(dev)
-    if plugin is None:
-        from numba.cuda.cudadrv.driver import NumbaCUDAMemoryManager
+def _hold(dev, owner, stream):
+    """Keep ``owner`` (a Numba device array of scratch on device ``dev``, its context
+    current) until the work queued on ``stream`` so far has run: an event recorded
+    there after the call's launches (``cuda.event``, ``Event.record``), with the owner
+    beside it. Numba's allocations go through its memory manager, which may be a
+    plugin (RMM's): the plugin interface has no stream, so a plugin may put a freed
+    block back into its pool on a stream of its own, unordered with the launch stream,
+    and give it out again while the kernels still use it. Nothing waits: _release drops
+    the owners whose events have completed."""
+    event = cuda.event(timing=False)
+    event.record(stream)
+    with _held_lock:
+        held = _held.get(dev)
+        if held is None:
+            held = _held[dev] = collections.deque()
+        held.append((event, owner))
 
-        manager = type(cuda.current_context().memory_manager)
-        plugin = _plugins[dev] = manager is not NumbaCUDAMemoryManager
-    return plugin
+
+def _release(dev):
+    """Drop the scratch owners of device ``dev`` (its context current) whose calls'
+    kernels have run, oldest first, up to the first whose event has not completed
+    (``Event.query``: no wait; those behind it go at a later call)."""
+    held = _held.get(dev)
+    if not held:
+        return
+    done = []
+    with _held_lock:
+        while held and held[0][0].query():
+            done.append(held.popleft())
+    del done  # freed here, outside the lock
+
+
+@atexit.register
+def _release_all():  # while Numba and its memory manager are whole
+    _held.clear()
 
 
 class _Slot:
@@ -1508,128 +1526,37 @@ class _Slot:
 #: is a number: never read), S, T, and the number c.
 _OUT, _GAMMA, _MU, _C, _S, _T, _CVAL = (_Slot(i) for i in range(7))
 
-_F32, _U32, _F64, _U64 = (struct.Struct(f) for f in ("<f", "<I", "<d", "<Q"))
-
-
-def _pack(args, acc):
-    """Kernel arguments as the driver takes them: tuples spread out (as Numba's ABI
-    does), one 8-byte slot each (ints as int64, floats as the accumulation type in the
-    slot's low bytes; the driver reads each parameter's size from the kernel image).
-    Returns the slots (per-call ones zero), the (slot, _Slot index) pairs of the
-    addresses to fill, and the slot of the number c (-1: none)."""
-    words, fill, c_slot = array.array("Q"), [], -1
-    for a in args:
-        for v in a if type(a) is tuple else (a,):
-            if v is _CVAL:
-                c_slot = len(words)
-                v = 0
-            elif type(v) is _Slot:
-                fill.append((len(words), v.i))
-                v = 0
-            elif type(v) is float:
-                v = _bits(v, acc)
-            words.append(v & 0xFFFFFFFFFFFFFFFF)  # negative ints (view strides) as int64
-    return words, tuple(fill), c_slot
-
-
-def _bits(v, acc):
-    """The 8-byte word of a float argument: its bits as the accumulation type."""
-    return _U32.unpack(_F32.pack(v))[0] if acc == "float32" else _U64.unpack(_F64.pack(v))[0]
-
-
-def _overload(name, elems, acc, V):
-    """Numba's compiled kernel object (the dispatcher has exactly one signature)."""
-    return next(iter(_kernel(name, elems, acc, V).overloads.values()))
-
-
-def _device_kernel(name, elems, acc, V, dev_id):
-    """The driver's handle of a compiled kernel, loaded into the current device's context,
-    as cuLaunchKernel takes it (a CUkernel launches as a CUfunction)."""
-    key = (name, elems, acc, V, dev_id)
-    k = _device_kernels.get(key)
-    if k is None:
-        overload = _overload(name, elems, acc, V)
-        with _lock:
-            k = _device_kernels.get(key)
-            if k is None:
-                handle = overload._codelibrary.get_cufunc().handle
-                k = _device_kernels[key] = _driver().CUfunction(int(handle))
-    return k
-
-
-#: Launch with the arguments packed once per call signature (_pack) and handed to
-#: ``cuLaunchKernel`` as one array of slot addresses, rather than through Numba's
-#: per-argument marshalling in Python (~40 arguments a launch); False selects Numba's own
-#: launch path (same kernels, same arguments: the H200 run checked both give equal bits).
-FAST_LAUNCH = True
-
-
 class _Launch:
     """One kernel launch of a plan: the kernel, its grid and block, and its arguments
-    with _Slot markers where a call's addresses (and the number c) go; on a GPU also the
-    driver's function handle and the packed arguments (_pack)."""
+    with _Slot markers where a call's addresses (and the number c) go."""
 
-    __slots__ = ("name", "elems", "acc", "V", "grid", "block", "args", "func", "words", "fill",
-                 "c_at", "tls", "ex")
+    __slots__ = ("name", "elems", "acc", "V", "grid", "block", "args", "kernel")
 
     def __init__(self, name, elems, acc, V, grid, block, args):
         self.name, self.elems, self.acc, self.V = name, elems, acc, V
         self.grid, self.block, self.args = grid, block, args
-        self.func = self.words = self.fill = self.c_at = self.ex = None  # ex: a _pdl.Launcher
-        self.tls = threading.local()  # each thread's copy of the words (plans are shared)
+        self.kernel = None
 
-    def bind(self, dev_id):
-        """Compile (once) and look up the kernel on the current device; pack the arguments."""
-        if SIM or not FAST_LAUNCH:
-            _kernel(self.name, self.elems, self.acc, self.V)  # compile now, not mid-call
-            return
-        self.func = _device_kernel(self.name, self.elems, self.acc, self.V, dev_id)
-        self.words, self.fill, c_slot = _pack(self.args, self.acc)
-        # c goes in as a float through a view of the words as the accumulation type (its
-        # slot's low bytes: little-endian), no struct packing on the call's way
-        self.c_at = -1 if c_slot < 0 else c_slot * (2 if self.acc == "float32" else 1)
+    def bind(self):
+        """Compile the kernel (once, not mid-call)."""
+        self.kernel = _kernel(self.name, self.elems, self.acc, self.V)
 
     def __call__(self, stream, values):
-        """Launch on ``stream`` with ``values`` for the _Slot arguments (the number c as a
-        float)."""
-        if SIM or not FAST_LAUNCH:
-            args = tuple(values[a.i] if type(a) is _Slot else a for a in self.args)
-            if SIM:
-                _kernel(self.name, self.elems, self.acc, self.V)[self.grid, self.block](*args)
-            else:  # Numba's launch takes a cuda.core stream, the arguments unflattened
-                from cuda.core import Stream
-
-                _overload(self.name, self.elems, self.acc, self.V).launch(
-                    args, (self.grid, 1, 1), (self.block, 1, 1),
-                    Stream.from_handle(int(stream)), 0)
-            return
-        try:
-            words, as_acc, params = self.tls.bufs
-        except AttributeError:  # this thread's first launch of this plan
-            words = self.words[:]
-            as_acc = memoryview(words).cast("B").cast("f" if self.acc == "float32" else "d")
-            at = words.buffer_info()[0]
-            params = array.array("Q", range(at, at + 8 * len(words), 8))  # void*[n] -> words
-            self.tls.bufs = words, as_acc, params
-        for i, v in self.fill:
-            words[i] = values[v]
-        if self.c_at >= 0:
-            as_acc[self.c_at] = values[6]  # _CVAL
-        # The driver copies the arguments before it returns: the words can be reused.
-        if self.ex is not None:
-            self.ex(stream, params.buffer_info()[0])
-            return
-        err, = _drv.cuLaunchKernel(self.func, self.grid, 1, 1, self.block, 1, 1, 0, stream,
-                                   params.buffer_info()[0], 0)
-        if err != _drv.CUresult.CUDA_SUCCESS:
-            raise RuntimeError(f"numba_cuda: launching {self.name} failed: {err!r}")
+        """Launch on ``stream`` (what Numba's kernel call takes: _numba_stream) with
+        ``values`` for the _Slot arguments, through Numba's kernel call: the kernel has
+        one signature, so the arguments go in without type resolution."""
+        args = tuple([values[a.i] if type(a) is _Slot else a for a in self.args])
+        if SIM:
+            self.kernel[self.grid, self.block](*args)
+        else:
+            self.kernel[self.grid, self.block, stream, 0](*args)
 
 
-def _launch_once(name, elems, acc, dev_id, grid, block, stream, args):
+def _launch_once(name, elems, acc, grid, block, stream, args):
     """Launch a kernel whose arguments are all known (no _Slot): the backward's, which
     has no per-signature plan (it is not on anyone's hot path)."""
     launch = _Launch(name, elems, acc, 1, grid, block, args)
-    launch.bind(dev_id)
+    launch.bind()
     launch(stream, ())
 
 
@@ -1761,13 +1688,7 @@ def _plan(p, dev_id):
              zero))
         plan = _Plan(launches, s_pad + n_t, s_pad * abytes)
     for launch in launches:
-        launch.bind(dev_id)
-    if not SIM and FAST_LAUNCH and len(launches) > 1 and _pdl.usable(lim.cc[0]):
-        # S and out's update start while the kernel ahead drains (_pdl); the first
-        # kernel waits, as any launch does, for what was queued before the call.
-        for launch in launches[1:]:
-            launch.ex = _pdl.Launcher(launch.func, launch.grid, launch.block,
-                                      f"numba_cuda's {launch.name}")
+        launch.bind()
     return plan
 
 
@@ -1775,25 +1696,24 @@ def _launch_plan(plan, kind, handle, dev_id, acc, optr, gptr, mptr, cptr, c_valu
     """Launch a plan on the stream of raw ``handle`` (the arrays' library's current stream
     for torch, ``_launch_stream`` for any call) on ``dev_id`` (its context current):
     addresses of out, gamma, mu and c (0 for an absent gamma or a number c), and c_value,
-    the number c. Scratch from the library."""
-    stream = _driver_stream(handle)
+    the number c. Scratch from the library (_workspace)."""
+    stream = _numba_stream(handle)
     buf, sptr, tptr = None, 0, 0
+    cai = kind == "cai"
     if plan.scratch:
-        buf, sptr = _workspace(kind, dev_id, plan.scratch, acc, handle)
+        if cai:
+            _release(dev_id)
+        buf, sptr = _workspace(kind, dev_id, plan.scratch, acc, handle, stream)
         tptr = sptr + plan.t_offset
     # An absent gamma or a number c: any valid address (never read) of the right kind.
     values = (optr, gptr or mptr, mptr, cptr or optr, sptr, tptr, float(c_value))
-    wait = buf is not None and kind == "cai" and _plugin_allocator(dev_id)
     try:
         for launch in plan.launches:
             launch(stream, values)
     finally:
-        # A plugin's free is not ordered after the launches: wait for those queued (also
-        # when a later one failed) before the block goes back.
-        err = _drv.cuStreamSynchronize(stream)[0] if wait else None
-    if wait and err != _drv.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"numba_cuda: waiting for the launch stream failed: {err!r}")
-    del buf  # freed to the library's stream-ordered pool after the launches
+        if buf is not None and cai:  # also when a later launch failed: some are queued
+            _hold(dev_id, buf, stream)
+    del buf  # torch and CuPy: back to the stream's pool, behind the launches
 
 
 class NumbaCudaBackend(Backend):
@@ -1883,8 +1803,8 @@ class NumbaCudaBackend(Backend):
         if p.device[1] is None or p.kind != "torch":
             return None
         dev_id, acc = p.device[1], p.acc
-        plan = self._on_device(self._plan_of, p)  # compiled and loaded on the device
-        ctx = _ready[dev_id]  # the context the kernels were loaded in (_on_device)
+        plan = self._on_device(self._plan_of, p)  # its kernels compiled
+        ctx = _ready[dev_id]  # the device's context, where they run (_on_device)
 
         def run(out, gamma, mu, c, optr, gptr, mptr, cptr, c_value):
             # _on_device's context check, inlined. The context current on the thread is
@@ -1924,7 +1844,7 @@ class NumbaCudaBackend(Backend):
         zero = np.dtype(acc).type(0) if SIM else 0.0
         lim = _device_limits(dev_id)
         handle, then = (None, ()) if SIM else _launch_stream(a, dev_id)
-        stream = None if SIM else _driver_stream(handle)
+        stream = None if SIM else _numba_stream(handle)
         G, Cg, HW = a.G, a.Ci // a.G, a.H * a.W
         geo = (a.B, G, Cg, 0, a.H, a.W, a.Ho, a.Wo, a.kh, a.kw,
                a.sh, a.sw, a.ph, a.pw, a.dh, a.dw)
@@ -1935,15 +1855,15 @@ class NumbaCudaBackend(Backend):
             gptr, gbase, gst = _pointer(a.grad_gamma, a.grad_gamma_info)
             gst = diag_strides(gst, a.full_gamma)
             block = _block(HW)
-            _launch_once("vjp_gamma", (s_t, g_t), acc, dev_id, lim.grid(a.B * G * HW, block),
-                         block, stream, (sptr, sbase, sst, gptr, gbase, gst, geo, zero))
+            _launch_once("vjp_gamma", (s_t, g_t), acc, lim.grid(a.B * G * HW, block), block,
+                         stream, (sptr, sbase, sst, gptr, gbase, gst, geo, zero))
         if a.grad_mu is not None:
             m_t, d_t = _PTR_TYPE[a.mu_info.dtype], _PTR_TYPE[a.grad_mu_info.dtype]
             mptr, mbase, mst = _pointer(a.mu, a.mu_info)
             dptr, dbase, dst = _pointer(a.grad_mu, a.grad_mu_info)
             block = _block(HW)
             n_blocks = a.B * G * -(-Cg // 4) * -(-HW // block)
-            _launch_once("vjp_mu", (s_t, m_t, d_t), acc, dev_id, lim.grid(n_blocks, block), block,
+            _launch_once("vjp_mu", (s_t, m_t, d_t), acc, lim.grid(n_blocks, block), block,
                          stream, (sptr, sbase, sst, mptr, mbase, mst, dptr, dbase, dst, geo,
                                   zero))
         _follow(handle, then)
