@@ -128,6 +128,9 @@ THREADS = 8 if SIM else 256
 #: working on a dozen batches at once, whose S no longer fitted in L2 (the out update of
 #: `big` ran at 2.6 TB/s). The simulator, one Python thread per CUDA thread, gets one wave.
 MAX_GRID = 2**31 - 1
+#: Smallest grid launched: Numba's kernel call warns (NumbaPerformanceWarning) below 128
+#: blocks, which small problems have by design; the blocks past the work exit at once.
+MIN_GRID = 128
 #: Problems whose S has at most this many (ii, ji, ci) terms take the one-launch kernel:
 #: there, launches cost more than the arithmetic.
 DIRECT_TERMS = 1 << 22
@@ -1319,7 +1322,7 @@ class Limits:
         grid's stride beyond MAX_GRID; under the simulator, beyond one wave)."""
         if SIM:
             return max(1, min(n_blocks, self.sms * max(1, self.threads_per_sm // block)))
-        return max(1, min(n_blocks, MAX_GRID))
+        return max(MIN_GRID, min(n_blocks, MAX_GRID))
 
 
 def _block(n):
