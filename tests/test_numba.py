@@ -7,16 +7,21 @@ into 16-bit outputs, torch bfloat16 CPU tensors, concurrent calls from several t
 and after a fork, any strides (negative ones too), the literal-loop ground truth,
 non-finite values next to the padding, and that one compile serves every shape; and the
 backward (``patch_moment_vjp``) against the numpy reference's: layouts, strides (zero and
-negative), dtypes, non-finite values next to the padding, chunks, threads.
+negative), dtypes, non-finite values next to the padding, chunks, threads. The cases
+cover both ways the kernels form S (windows overlapping at stride 1; strides with gaps
+between the windows), and a large input with a small output must not take memory of the
+order of the input's (H*W)**2.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import subprocess
 import sys
 import textwrap
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -34,6 +39,19 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning",
                                "ignore:invalid value encountered:RuntimeWarning"),
 ]
+
+
+@pytest.fixture(autouse=True)
+def _gaps_take_the_direct_plan(request, monkeypatch):
+    """The cases with gaps between the windows stand for large inputs (the direct plan's
+    calls), at sizes whose M would fit the cache-sized chunk: the chunk is made one byte
+    for them, as their M would exceed it at full size. Bound launchers start afresh."""
+    callspec = getattr(request.node, "callspec", None)
+    if callspec is not None and "gaps" in str(callspec.params.get("case", "")):
+        from convcov import _frontend
+
+        monkeypatch.setattr(nbb, "CHUNK_BYTES", 1)
+        monkeypatch.setattr(_frontend, "_bound", {})
 
 
 # --------------------------------------------------------------------------- references
@@ -242,6 +260,13 @@ CASES = {
     "five-channels": dict(B=1, Ci=5, Co=2, H=5, W=6, k=3, padding=1),
     "five-channels-no-gamma": dict(B=1, Ci=10, Co=4, H=4, W=5, k=2, groups=2, gamma=False,
                                    full=False),
+    # strides larger than the kernel: gaps between the windows, inputs much larger than
+    # the output (two channels a group; five: four at a time, then one; mu alone)
+    "gaps": dict(B=2, Ci=4, Co=4, H=9, W=8, k=2, stride=(4, 3), padding=(1, 2), groups=2),
+    "gaps-dilation-five": dict(B=1, Ci=10, Co=4, H=11, W=10, k=3, stride=(5, 4), padding=2,
+                               dilation=(2, 3), groups=2, full=False),
+    "gaps-no-gamma": dict(B=1, Ci=8, Co=2, H=12, W=9, k=3, stride=4, padding=1, gamma=False,
+                          full=False),
 }
 
 
@@ -271,7 +296,8 @@ def _within_one_step(got, exact, to_exact, mant_bits, min_exp):
 
 
 @pytest.mark.parametrize("case", ["seed", "stride-pad", "dilation-groups", "five-channels",
-                                  "five-channels-no-gamma"])
+                                  "five-channels-no-gamma", "gaps", "gaps-dilation-five",
+                                  "gaps-no-gamma"])
 def test_float16_everywhere_rounded_once_from_float32_sums(case):
     rng = np.random.default_rng(6)
     out, g, mu, c, k, kw = _problem(rng, dtype=np.float16, **CASES[case])
@@ -285,9 +311,10 @@ def test_float16_everywhere_rounded_once_from_float32_sums(case):
     assert (got.astype(np.float64) == ref16).mean() > 0.97
 
 
-def test_mixed_dtypes_float64_accumulation():
+@pytest.mark.parametrize("case", ["stride-pad", "five-channels", "gaps-dilation-five"])
+def test_mixed_dtypes_float64_accumulation(case):
     rng = np.random.default_rng(7)
-    out, g, mu, c, k, kw = _problem(rng, **CASES["stride-pad"])
+    out, g, mu, c, k, kw = _problem(rng, **CASES[case])
     out16, g32, mu64 = out.astype(np.float16), g.astype(np.float32), mu
     exact = op_slow(out16, g32, mu64, c.astype(np.float16), k, **kw)
     got = convcov.accumulate(out16.copy(), g32, mu64, c.astype(np.float16), k,
@@ -296,7 +323,7 @@ def test_mixed_dtypes_float64_accumulation():
     np.testing.assert_array_equal(got.astype(np.float64), to_f16_exact(exact))
 
 
-@pytest.mark.parametrize("case", ["dilation-groups", "five-channels"])
+@pytest.mark.parametrize("case", ["dilation-groups", "five-channels", "gaps"])
 def test_torch_bfloat16_cpu_tensors_in_place(case):
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(8)
@@ -339,7 +366,7 @@ def test_off_diagonal_untouched_bitwise():
     assert (out[:, 1, :, :, 1] != before[:, 1, :, :, 1]).any()  # the diagonal did change
 
 
-@pytest.mark.parametrize("case", ["dilation-groups", "five-channels"])
+@pytest.mark.parametrize("case", ["dilation-groups", "five-channels", "gaps"])
 def test_any_strides_including_negative(case):
     rng = np.random.default_rng(10)
     out, g, mu, c, k, kw = _problem(rng, dtype=np.float32, **CASES[case])
@@ -372,9 +399,10 @@ def test_negative_strides_on_gamma_and_mu_channels(case):
     np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-12)
 
 
-def test_non_finite_values_propagate_like_the_reference():
+@pytest.mark.parametrize("case", ["stride-pad", "dilation-groups"])
+def test_non_finite_values_propagate_like_the_reference(case):
     rng = np.random.default_rng(12)
-    out, g, mu, c, k, kw = _problem(rng, **CASES["stride-pad"])
+    out, g, mu, c, k, kw = _problem(rng, **CASES[case])
     mu[0, 0, 0, 0] = np.inf  # next to the padding: must not become Inf * 0 = NaN there
     mu[0, 1, 3, 2] = -np.inf
     g[0, 1, 2, 2, 1, 2, 3] = np.nan
@@ -389,16 +417,19 @@ def test_non_finite_values_propagate_like_the_reference():
     np.testing.assert_allclose(got[fin], ref[fin], rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("stride", [(2, 1), (4, 3)], ids=["overlapping", "gaps"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
-def test_several_chunks_and_prefetching(monkeypatch, dtype):
+def test_several_chunks_and_prefetching(monkeypatch, dtype, stride):
     """Small problems run as one chunk without prefetching; force both code paths. (Five
     channels a group: four-channel passes, whose prefetch is spread over their sums, with
-    planes ahead past a task's end, and single ones, which prefetch in a burst.)"""
+    planes ahead past a task's end, and single ones, which prefetch in a burst; with gaps
+    between the windows, the windows of the S rows ahead.)"""
     monkeypatch.setattr(nbb, "CHUNK_BYTES", 1)  # one (b, g) pair per chunk
     monkeypatch.setattr(nbb, "PREFETCH_FROM_BYTES", 0)
     monkeypatch.setattr(nbb, "PREFETCH_BYTES", 64)
     rng = np.random.default_rng(15)
-    case = dict(B=3, Ci=10, Co=4, H=6, W=5, k=3, stride=(2, 1), padding=1, groups=2)
+    H, W = (6, 5) if stride == (2, 1) else (9, 11)
+    case = dict(B=3, Ci=10, Co=4, H=H, W=W, k=3, stride=stride, padding=1, groups=2)
     out, g, mu, c, k, kw = _problem(rng, dtype=dtype, **case)
     g = np.ascontiguousarray(g[:, ::-1, :, :, ::-1])[:, ::-1, :, :, ::-1]  # negative strides
     exact = op_slow(out, g, mu, c, k, **kw)
@@ -553,6 +584,10 @@ VJP_CASES["row-dilation"] = dict(B=1, Ci=3, H=6, W=9, k=(2, 3), stride=(1, 2),
                                  padding=(0, 2), dilation=(1, 2))
 VJP_CASES["both-dilations"] = dict(B=2, Ci=2, H=8, W=8, k=3, stride=1, padding=1,
                                    dilation=(2, 3))
+# gaps between the windows: grad_mu window by window
+VJP_CASES["gaps"] = dict(B=2, Ci=4, H=12, W=11, k=2, stride=(5, 4), padding=1, groups=2)
+VJP_CASES["gaps-dilation"] = dict(B=1, Ci=5, H=11, W=10, k=3, stride=(5, 4), padding=2,
+                                  dilation=(2, 3))
 
 
 @pytest.mark.parametrize("full", [False, True], ids=["diag", "full"])
@@ -585,11 +620,12 @@ def test_vjp_only_what_is_wanted(wanted):
     np.testing.assert_allclose(got[i], want[i], rtol=1e-12, atol=1e-12)
 
 
-def test_vjp_any_strides_zero_and_negative():
+@pytest.mark.parametrize("case", ["dilation-groups", "gaps"])
+def test_vjp_any_strides_zero_and_negative(case):
     """grad_S as autograd hands it for S.sum() (all strides 0) and permuted / reversed
     views; mu reversed in F order; gradients written into views of larger arrays."""
     rng = np.random.default_rng(23)
-    grad_S, mu, k, kw = _vjp_problem(rng, dtype=np.float32, **CASES["dilation-groups"])
+    grad_S, mu, k, kw = _vjp_problem(rng, dtype=np.float32, **VJP_CASES[case])
     mu_nc = np.asfortranarray(mu[:, ::-1, ::-1])[:, ::-1, ::-1]
     B, Ci, H, W = mu.shape
     for gS in (np.broadcast_to(np.float32(0.5), grad_S.shape),
@@ -659,7 +695,8 @@ def test_vjp_non_finite_values_near_the_padding():
     rng = np.random.default_rng(27)
     non_finite_seen = 0
     for case, finite_mu in (("stride-pad", False), ("dilation-groups", True),
-                            ("stride-both-dilation", False)):
+                            ("stride-both-dilation", False), ("row-dilation", False),
+                            ("gaps", False), ("gaps-dilation", False)):
         grad_S, mu, k, kw = _vjp_problem(rng, **VJP_CASES[case])
         grad_S[0, 0, 0, 0, 0, -1] = np.nan
         grad_S[0, 0, -1, 0, 0, 0] = np.inf
@@ -698,13 +735,16 @@ def test_vjp_absent_terms_one_row():
 
 def test_vjp_several_chunks_streaming_stores_and_one_compiled_kernel(monkeypatch):
     """Small problems run as one chunk with ordinary stores; force several chunks and the
-    non-temporal stores of large ones. One compile serves every dtype mix."""
+    non-temporal stores of large ones, with overlapping windows and with gaps between
+    them. One compile serves every dtype mix."""
     monkeypatch.setattr(nbb, "CHUNK_BYTES", 1)  # one (b, g) pair per chunk
     monkeypatch.setattr(nbb, "STREAM_FROM_BYTES", 0)
     rng = np.random.default_rng(28)
-    case = dict(B=3, Ci=10, H=6, W=5, k=3, stride=(2, 1), padding=1, groups=2)
-    for dtype in (np.float32, np.float16, np.float64):
-        grad_S, mu, k, kw = _vjp_problem(rng, dtype=dtype, **case)
+    for dtype, stride in itertools.product((np.float32, np.float16, np.float64),
+                                           ((2, 1), (5, 4))):
+        H, W = (6, 5) if stride == (2, 1) else (12, 11)
+        grad_S, mu, k, kw = _vjp_problem(rng, 3, 10, H, W, 3, stride, padding=1, groups=2,
+                                         dtype=dtype)
         want = _vjp(grad_S.astype(np.float64), mu.astype(np.float64), k, kw, "numpy",
                     fill=0.0)
         got = _vjp(grad_S, mu, k, kw, "numba", full=dtype == np.float32)
@@ -733,3 +773,51 @@ def test_vjp_concurrent_calls_from_threads():
         for got in row:
             for a, b in zip(got, expected):
                 np.testing.assert_array_equal(a, b)
+
+
+# --------------------------------------------------------------------------- memory
+MEMORY_CASES = {
+    # mu alone, 256 x 256, a 2 x 2 output: (H*W)**2 float32 would be 16 GiB
+    "no-gamma-256": dict(B=1, Ci=1, Co=1, H=256, W=256, k=3, stride=128, gamma=False,
+                         full=False),
+    # a diagonal gamma of 42 MB for a 6 x 6 output; the backward writes both gradients
+    "diag-gamma-48": dict(B=1, Ci=2, Co=2, H=48, W=48, k=3, stride=8, padding=1, full=False),
+}
+
+
+@pytest.mark.parametrize("case", MEMORY_CASES)
+def test_large_input_small_output_takes_memory_of_the_output(case):
+    """Forward and backward of a call whose input is large and whose output is small:
+    their temporaries (numpy's allocations are traced) are bounded by a small multiple of
+    the output and grad_S, far below the (H*W)**2 values one (b, g) pair's input second
+    moment would take; and the results are right."""
+    from convcov._frontend import patch_moment_vjp
+
+    rng = np.random.default_rng(30)
+    out, g, mu, c, k, kw = _problem(rng, dtype=np.float32, **MEMORY_CASES[case])
+    B, Ci, H, W = mu.shape
+    grad_S = rng.standard_normal((B, kw["groups"]) + out.shape[2:]).astype(np.float32)
+    bound = (1 << 20) + 4 * (out.nbytes + grad_S.nbytes)
+    assert bound < (H * W) ** 2 * 4 / 16  # the test can tell
+    work = out.copy()
+    gg = None if g is None else np.full_like(g, np.nan)
+    gm = np.full_like(mu, np.nan)
+    # the kernels compiled (or loaded from the cache) outside the trace
+    small = _problem(rng, B=1, Ci=1, Co=1, H=3, W=3, k=2, dtype=np.float32)
+    convcov.accumulate(*small[:4], small[4], backend="numba")
+    _vjp(*_vjp_problem(rng, B=1, Ci=1, H=3, W=3, k=2), "numba")
+    tracemalloc.start()
+    try:
+        convcov.accumulate(work, g, mu, c, k, backend="numba", **kw)
+        forward_peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.reset_peak()
+        patch_moment_vjp(grad_S, mu, k, grad_gamma=gg, grad_mu=gm, backend="numba", **kw)
+        backward_peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert forward_peak < bound and backward_peak < bound, (forward_peak, backward_peak)
+    np.testing.assert_allclose(work, op_slow(out, g, mu, c, k, **kw), rtol=1e-5, atol=1e-4)
+    want = _vjp(grad_S, mu, k, kw, "numpy", fill=0.0, gamma=g is not None)
+    for got, w in zip((gg, gm), want):
+        if w is not None:
+            np.testing.assert_allclose(got, w, rtol=1e-5, atol=1e-4)

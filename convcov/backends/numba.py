@@ -5,16 +5,27 @@ reach the kernel, which code is compiled, and how calls run on Numba's threading
 
 How it computes (docs/numba.md has the design notes and the measurements):
 
-* One chunk of ``(b, g)`` pairs at a time, in two parallel phases. Phase 1 builds, per
-  pair, the group's input second moment on the channel diagonal,
-  ``M[x0, y0, x1, y1] = sum over ci in g of gamma[b, ci, x0, y0, (ci,) x1, y1]
-  + mu[b, ci, x0, y0] * mu[b, ci, x1, y1]``: each gamma element is read once, in its
-  contiguous ``(x1, y1)`` plane, four channels per pass, and summed into a cache-sized
-  buffer (the "gamma channel sum" temporary). Phase 2 is the kh x kw box filter: one S row
-  ``S[b, g, i0, j0, :, :]`` at a time, in a thread-local buffer, is the sum of ``M[x0, y0]``
-  windows over the kernel offsets whose two positions both lie inside the input (padding
-  is skipped, never multiplied: an Inf next to the padding stays an Inf). The row is added,
-  times ``c[c0]``, into every output channel of the group. S never exists in memory.
+* One S row ``S[b, g, i0, j0, :, :]`` at a time, in a thread-local buffer, is added, times
+  ``c[c0]``, into every output channel of the group; S never exists in memory. A term
+  with a position in the padding is skipped, never multiplied: an Inf next to the padding
+  stays an Inf. Two plans build the row, chosen per call signature (``_direct_plan``):
+* The M plan, for windows that overlap a lot (stride 1): one chunk of ``(b, g)`` pairs at
+  a time, in two parallel phases. Phase 1 builds, per pair, the group's input second
+  moment on the channel diagonal, ``M[x0, y0, x1, y1] = sum over ci in g of
+  gamma[b, ci, x0, y0, (ci,) x1, y1] + mu[b, ci, x0, y0] * mu[b, ci, x1, y1]``: each gamma
+  element is read once, in its contiguous ``(x1, y1)`` plane, four channels per pass, and
+  summed into a cache-sized buffer. Phase 2 is the kh x kw box filter: the row is the sum
+  of the ``M[x0, y0]`` windows of the kernel offsets whose two positions both lie inside
+  the input.
+* The direct plan, with no M: phase 2 alone, each row summed straight from the strided
+  windows of gamma's channel-diagonal planes and of mu (four channels per pass). Its only
+  temporaries are the per-thread rows. It reads ``kh*kw*Cg*(Ho*Wo)**2`` terms per pair
+  where the M plan reads ``Cg*(H*W)**2`` into an ``(H*W)**2`` buffer, so it is taken when
+  ``kh*kw*(Ho*Wo)**2 < (H*W)**2`` (strides above 1, inputs much larger than the output)
+  and one pair's M would not fit in the cache-sized chunk (``CHUNK_BYTES``; in cache, the
+  M plan is the faster one). The M plan's buffer is so at most the larger of
+  ``CHUNK_BYTES`` and kh*kw S blocks of one pair: it never grows with ``(H*W)**2`` past
+  what the call computes.
 * Parallel over ``(pair, x0)`` in phase 1 and ``(pair, i0)`` in phase 2: both cores are
   busy even for B = 1, G = 1. The channel-diagonal planes of gamma and rows of out are
   short and far apart, so the kernel prefetches a few kilobytes ahead in software.
@@ -31,12 +42,15 @@ How it computes (docs/numba.md has the design notes and the measurements):
   makes the two steps equal to one correct rounding.
 
 The backward (``patch_moment_vjp``, docs/autograd.md) is a second kernel of the same
-build: per chunk of (b, g) pairs, phase 1 gathers the grad_S windows into
-``D[x0, y0, x1, y1]`` (the forward's box filter transposed; padded terms absent) and stores
-it into every channel of the group's gamma gradient (non-temporal stores when large);
-phase 2 forms ``grad_mu`` as dot products of the symmetrised ``D`` with mu's planes (a
-plane holding Inf / NaN takes the reference's products one by one). Sums always in
-float64: one compile.
+build, parallel over ``(pair, x0)``: one row ``D[x0, y0, :, :]`` at a time, in a
+thread-local buffer, is gathered from the grad_S windows (the forward's box filter
+transposed; padded terms absent) and stored into every channel of the group's gamma
+gradient (non-temporal stores when large). ``grad_mu`` reads ``grad_S + grad_S^T`` (a
+chunk of pairs, as large as grad_S's blocks): either by rows, the row of the symmetrised
+``D`` gathered the same way and dotted with mu's planes (a non-finite result is formed
+again window by window, as the reference's products), or, where the input is much larger
+than the output (``_vjp_windows``), window by window only. No temporary grows with
+``(H*W)**2``. Sums always in float64: one compile.
 
 Threads: the kernel releases the GIL. It relies on a thread-safe Numba threading layer
 (``tbb`` or ``omp``, Numba's default order); if Numba ends up on ``workqueue``, which
@@ -45,7 +59,8 @@ child that starts a parallel region after its parent used one, so such a child r
 serial compile of the same kernel.
 
 Must not: validate (the front end did), copy ``out`` or ``gamma``, allocate anything that
-grows with ``Ci * Ci`` or ``Co``, or change Numba's process-wide configuration.
+grows with ``Ci * Ci`` or ``Co`` (or with ``(H*W)**2`` where the output is smaller), or
+change Numba's process-wide configuration.
 """
 from __future__ import annotations
 
@@ -441,9 +456,8 @@ def _quad_adder(dec):
     ``p0``-``p3``: byte addresses of four gamma planes to prefetch while summing (0: none),
     one line of each per 16 elements summed (two for 8-byte items), so the requests for
     the planes ahead are spread over the arithmetic instead of issued in one burst
-    before it. On the Intel Xeon host (twenty-fifth session) that took the ``cpu``
-    workload's kernel from 7519 to 6410 µs; on the AMD EPYC host it had been 4% slower in
-    phase 1 (docs/numba.md)."""
+    before it: on an Intel Xeon host that took the ``cpu`` workload's kernel from 7519 to
+    6410 µs (on an AMD EPYC host it measured 4% slower in phase 1)."""
 
     def run(dst, gp, g0, g1, g2, g3, mp, m0, m1, m2, m3, a0, a1, a2, a3, n, with_gamma):
         if with_gamma:
@@ -574,6 +588,116 @@ def _add_row_any(addr, code, off, si, sj, Ho, Wo, srow, cc):
         _add_row_bf16(_u16_at(addr), off, si, sj, Ho, Wo, srow, cc)
 
 
+def _window_adder(dec):
+    """A compiled ``add_window`` with the source's element decoder built in."""
+
+    def add_window(dst, ptr, off, si, sj, i_lo, i_hi, j_lo, j_hi, pitch, step, scale):
+        """``dst[i*pitch + j*step] += scale * dec(ptr[off + i*si + j*sj])`` over the window
+        ``i_lo <= i < i_hi``, ``j_lo <= j < j_hi``: a strided window of one plane (the
+        forward's direct plan, in S coordinates) or its adjoint (the backward)."""
+        nj = j_hi - j_lo
+        for i in range(i_lo, i_hi):
+            d = _offset(dst, i * pitch + j_lo * step)
+            src = off + i * si + j_lo * sj
+            if step == 1 and sj == 1:
+                for j in range(nj):
+                    d[j] += scale * dec(ptr[src + j])
+            else:
+                for j in range(nj):
+                    d[j * step] += scale * dec(ptr[src + j * sj])
+
+    return njit(**_inner)(add_window)
+
+
+_add_window_keep = _window_adder(_keep)
+_add_window_f16 = _window_adder(_f16_decode)
+_add_window_bf16 = _window_adder(_bf16_decode)
+
+
+@njit(**_inner)
+def _add_window_any(dst, addr, code, off, si, sj, i_lo, i_hi, j_lo, j_hi, pitch, step, scale):
+    if code == F32:
+        _add_window_keep(dst, _f32_at(addr), off, si, sj, i_lo, i_hi, j_lo, j_hi, pitch, step,
+                         scale)
+    elif code == F64:
+        _add_window_keep(dst, _f64_at(addr), off, si, sj, i_lo, i_hi, j_lo, j_hi, pitch, step,
+                         scale)
+    elif code == F16:
+        _add_window_f16(dst, _u16_at(addr), off, si, sj, i_lo, i_hi, j_lo, j_hi, pitch, step,
+                        scale)
+    else:
+        _add_window_bf16(dst, _u16_at(addr), off, si, sj, i_lo, i_hi, j_lo, j_hi, pitch, step,
+                         scale)
+
+
+def _window_quad_adder(dec):
+    """A compiled ``add_window_quad``: the direct plan's inner loop, four channels per pass
+    over ``dst`` (as phase 1's ``add_quad``). Over the window ``i_lo <= i < i_hi``,
+    ``j_lo <= j < j_hi``: ``dst[i*pitch + j] += sum over q < 4 of (gamma_q + a_q * mu_q)``,
+    ``gamma_q = gp[g_at + q*g_c + i*gsi + j*gsj]``, ``mu_q = mp[m_at + q*m_c + i*msi +
+    j*msj]``, both of one dtype; without gamma the mu terms only."""
+
+    def add_window_quad(dst, pitch, gp, g_at, g_c, gsi, gsj, mp, m_at, m_c, msi, msj,
+                        a0, a1, a2, a3, i_lo, i_hi, j_lo, j_hi, with_gamma):
+        nj = j_hi - j_lo
+        for i in range(i_lo, i_hi):
+            d = _offset(dst, i * pitch + j_lo)
+            g0 = g_at + i * gsi + j_lo * gsj
+            g1, g2, g3 = g0 + g_c, g0 + 2 * g_c, g0 + 3 * g_c
+            m0 = m_at + i * msi + j_lo * msj
+            m1, m2, m3 = m0 + m_c, m0 + 2 * m_c, m0 + 3 * m_c
+            if gsj == 1 and msj == 1 and with_gamma:  # unit steps: vectorised
+                for j in range(nj):
+                    d[j] += (((_like(dec(gp[g0 + j]), dst) + _like(dec(gp[g1 + j]), dst))
+                              + (_like(dec(gp[g2 + j]), dst) + _like(dec(gp[g3 + j]), dst)))
+                             + ((a0 * dec(mp[m0 + j]) + a1 * dec(mp[m1 + j]))
+                                + (a2 * dec(mp[m2 + j]) + a3 * dec(mp[m3 + j]))))
+            elif with_gamma:
+                for j in range(nj):
+                    gj, mj = j * gsj, j * msj
+                    d[j] += (((_like(dec(gp[g0 + gj]), dst) + _like(dec(gp[g1 + gj]), dst))
+                              + (_like(dec(gp[g2 + gj]), dst) + _like(dec(gp[g3 + gj]), dst)))
+                             + ((a0 * dec(mp[m0 + mj]) + a1 * dec(mp[m1 + mj]))
+                                + (a2 * dec(mp[m2 + mj]) + a3 * dec(mp[m3 + mj]))))
+            elif msj == 1:
+                for j in range(nj):
+                    d[j] += ((a0 * dec(mp[m0 + j]) + a1 * dec(mp[m1 + j]))
+                             + (a2 * dec(mp[m2 + j]) + a3 * dec(mp[m3 + j])))
+            else:
+                for j in range(nj):
+                    mj = j * msj
+                    d[j] += ((a0 * dec(mp[m0 + mj]) + a1 * dec(mp[m1 + mj]))
+                             + (a2 * dec(mp[m2 + mj]) + a3 * dec(mp[m3 + mj])))
+
+    return njit(**_inner)(add_window_quad)
+
+
+_add_window_quad_keep = _window_quad_adder(_keep)
+_add_window_quad_f16 = _window_quad_adder(_f16_decode)
+_add_window_quad_bf16 = _window_quad_adder(_bf16_decode)
+
+
+@njit(**_inner)
+def _add_window_quad_any(dst, pitch, code, g_addr, g_at, g_c, gsi, gsj, m_addr, m_at, m_c,
+                         msi, msj, a0, a1, a2, a3, i_lo, i_hi, j_lo, j_hi, with_gamma):
+    if code == F32:
+        _add_window_quad_keep(dst, pitch, _f32_at(g_addr), g_at, g_c, gsi, gsj, _f32_at(m_addr),
+                              m_at, m_c, msi, msj, a0, a1, a2, a3, i_lo, i_hi, j_lo, j_hi,
+                              with_gamma)
+    elif code == F64:
+        _add_window_quad_keep(dst, pitch, _f64_at(g_addr), g_at, g_c, gsi, gsj, _f64_at(m_addr),
+                              m_at, m_c, msi, msj, a0, a1, a2, a3, i_lo, i_hi, j_lo, j_hi,
+                              with_gamma)
+    elif code == F16:
+        _add_window_quad_f16(dst, pitch, _u16_at(g_addr), g_at, g_c, gsi, gsj, _u16_at(m_addr),
+                             m_at, m_c, msi, msj, a0, a1, a2, a3, i_lo, i_hi, j_lo, j_hi,
+                             with_gamma)
+    else:
+        _add_window_quad_bf16(dst, pitch, _u16_at(g_addr), g_at, g_c, gsi, gsj,
+                              _u16_at(m_addr), m_at, m_c, msi, msj, a0, a1, a2, a3, i_lo,
+                              i_hi, j_lo, j_hi, with_gamma)
+
+
 @njit(**_inner)
 def _itemsize(code):
     return 2 if code == F16 or code == BF16 else (4 if code == F32 else 8)
@@ -600,6 +724,26 @@ def _prefetch_plane(addr, code, off, sx, sy, H, W, write):
 
 
 @njit(**_inner)
+def _prefetch_window(addr, code, off, si, sj, i_lo, i_hi, j_lo, j_hi):
+    """Prefetch (for reading) the cache lines of the window ``off + i*si + j*sj``,
+    ``i_lo <= i < i_hi``, ``j_lo <= j < j_hi``: the lines each row spans, or, where the
+    elements of a row are a line or more apart, the line of each element."""
+    isz = _itemsize(code)
+    step = abs(sj) * isz
+    for i in range(i_lo, i_hi):
+        a = addr + (off + i * si + j_lo * sj) * isz
+        if step >= 64:
+            for j in range(j_hi - j_lo):
+                _prefetch_read(a + j * sj * isz)
+        else:
+            z = a + (j_hi - j_lo - 1) * sj * isz
+            line, end = min(a, z) & ~63, max(a, z)
+            while line <= end:
+                _prefetch_read(line)
+                line += 64
+
+
+@njit(**_inner)
 def _inside(offset, s, n, n_out):
     """[lo, hi): the outputs i < n_out whose input position i*s + offset lies in [0, n)."""
     lo = max(0, (s - 1 - offset) // s)
@@ -616,15 +760,16 @@ def _inside(offset, s, n, n_out):
 _PRM = ("B Ci Co G H W Ho Wo kh kw sh sw ph pw dh dw pairs "
         "o_addr o_code o_b o_c o_i0 o_j0 o_i1 o_j1 "
         "g_addr g_code g_b g_c g_x0 g_y0 g_x1 g_y1 "
-        "m_addr m_code m_b m_c m_x m_y c_addr c_code c_s pf_gamma pf_out").split()
+        "m_addr m_code m_b m_c m_x m_y c_addr c_code c_s pf_gamma pf_out direct").split()
 
 
 def _kernel(prm, c_value, M):
-    """Add ``c[c0] * S[b, g(c0)]`` into out; ``M`` is the phase-1 buffer (acc dtype)."""
+    """Add ``c[c0] * S[b, g(c0)]`` into out; ``M`` is the phase-1 buffer (acc dtype; empty
+    in the direct plan)."""
     B, Ci, Co, G, H, W, Ho, Wo = prm[0], prm[1], prm[2], prm[3], prm[4], prm[5], prm[6], prm[7]
     kh, kw, sh, sw, ph, pw, dh, dw = (prm[8], prm[9], prm[10], prm[11], prm[12], prm[13],
                                       prm[14], prm[15])
-    pairs = prm[16]  # (b, g) pairs per chunk: M holds pairs x H*W*H*W values
+    pairs = prm[16]  # (b, g) pairs per chunk: M holds pairs x H*W*H*W values (M plan)
     o_addr, o_code, o_b, o_c, o_i0, o_j0, o_i1, o_j1 = (prm[17], prm[18], prm[19], prm[20],
                                                           prm[21], prm[22], prm[23], prm[24])
     g_addr, g_code, g_b, g_c, g_x0, g_y0, g_x1, g_y1 = (prm[25], prm[26], prm[27], prm[28],
@@ -632,15 +777,18 @@ def _kernel(prm, c_value, M):
     m_addr, m_code, m_b, m_c, m_x, m_y = prm[33], prm[34], prm[35], prm[36], prm[37], prm[38]
     c_addr, c_code, c_s = prm[39], prm[40], prm[41]
     PF_GAMMA, PF_OUT = prm[42], prm[43]
+    direct = prm[44] != 0  # S rows straight from gamma and mu: no phase 1, no M
+    with_gamma = g_code != ABSENT
+    same_code = not with_gamma or g_code == m_code
     Cg, Cog, HW, HoWo = Ci // G, Co // G, H * W, Ho * Wo
     for first in range(0, B * G, pairs):
         n = min(pairs, B * G - first)
 
-        # Phase 1: M[t, x0, y0] = sum over the group's ci of gamma + mu outer product.
-        for task in prange(n * H):
+        # Phase 1 (M plan): M[t, x0, y0] = sum over the group's ci of gamma + mu outer
+        # product.
+        for task in prange(0 if direct else n * H):
             t, x0 = task // H, task % H
             b, g = (first + t) // G, (first + t) % G
-            with_gamma = g_code != ABSENT
             # Four channels per pass when gamma (if any) and mu share a dtype and their
             # planes are contiguous: the common case.
             quads = ((not with_gamma or (g_code == m_code and g_y1 == 1 and g_x1 == W))
@@ -696,13 +844,13 @@ def _kernel(prm, c_value, M):
         for task in prange(n * Ho):
             t, i0 = task // Ho, task % Ho
             b, g = (first + t) // G, (first + t) % G
-            # Thread-local buffers. With sw == 1 the box filter works on rows of pitch
-            # P = sh * W, the distance in M between rows x1 and x1 + sh: then an S
+            # Thread-local buffers. With sw == 1 the M plan's box filter works on rows of
+            # pitch P = sh * W, the distance in M between rows x1 and x1 + sh: then an S
             # position (i1, j1) and the M position it reads differ by a constant for each
             # (ii, ji), and a whole window is one contiguous run (the columns past Wo
             # collect harmless garbage). Padding can make Wo > W: then rows of pitch
             # sh * W would overlap, and the window is added row by row instead.
-            flat = sw == 1 and sh * W >= Wo
+            flat = not direct and sw == 1 and sh * W >= Wo
             P = sh * W if flat else Wo
             box_buf = np.empty(Ho * P, M.dtype)
             srow_buf = np.empty(HoWo, M.dtype)
@@ -726,7 +874,49 @@ def _kernel(prm, c_value, M):
                         j1_lo, j1_hi = _inside(ji * dw - pw, sw, W, Wo)
                         if j1_lo == j1_hi:
                             continue
-                        # M[t, x0, y0, x1, y1] at x1 = i1*sh + ii*dh - ph, y1 = j1*sw + ji*dw - pw
+                        # x1 = i1*sh + ii*dh - ph, y1 = j1*sw + ji*dw - pw over i1, j1 inside
+                        if direct:
+                            # gamma[b, ci, x0, y0, (ci,) x1, y1]
+                            # + mu[b, ci, x0, y0] * mu[b, ci, x1, y1]: four channels per
+                            # pass where gamma and mu share a dtype, else one at a time
+                            g_at = (b * g_b + x0 * g_x0 + y0 * g_y0 + (ii * dh - ph) * g_x1
+                                    + (ji * dw - pw) * g_y1)
+                            m_at = b * m_b + (ii * dh - ph) * m_x + (ji * dw - pw) * m_y
+                            m_xy = b * m_b + x0 * m_x + y0 * m_y
+                            # the same windows PF_GAMMA S rows ahead (at y0 + PF_GAMMA * sw)
+                            pf_at = g_at + PF_GAMMA * sw * g_y0
+                            pf = with_gamma and PF_GAMMA > 0 and y0 + PF_GAMMA * sw < W
+                            ci = g * Cg
+                            while ci < (g + 1) * Cg:
+                                step = 4 if same_code and ci + 4 <= (g + 1) * Cg else 1
+                                if pf:
+                                    for q in range(step):
+                                        _prefetch_window(g_addr, g_code, pf_at + (ci + q) * g_c,
+                                                         sh * g_x1, sw * g_y1, i1_lo, i1_hi,
+                                                         j1_lo, j1_hi)
+                                if step == 4:
+                                    m_ci = m_xy + ci * m_c
+                                    _add_window_quad_any(
+                                        box, Wo, m_code, g_addr, g_at + ci * g_c, g_c,
+                                        sh * g_x1, sw * g_y1, m_addr, m_at + ci * m_c, m_c,
+                                        sh * m_x, sw * m_y,
+                                        _like(_load(m_addr, m_code, m_ci), M),
+                                        _like(_load(m_addr, m_code, m_ci + m_c), M),
+                                        _like(_load(m_addr, m_code, m_ci + 2 * m_c), M),
+                                        _like(_load(m_addr, m_code, m_ci + 3 * m_c), M),
+                                        i1_lo, i1_hi, j1_lo, j1_hi, with_gamma)
+                                else:
+                                    if with_gamma:
+                                        _add_window_any(box, g_addr, g_code, g_at + ci * g_c,
+                                                        sh * g_x1, sw * g_y1, i1_lo, i1_hi,
+                                                        j1_lo, j1_hi, Wo, 1, _like(1.0, M))
+                                    mu0 = _like(_load(m_addr, m_code, m_xy + ci * m_c), M)
+                                    _add_window_any(box, m_addr, m_code, m_at + ci * m_c,
+                                                    sh * m_x, sw * m_y, i1_lo, i1_hi, j1_lo,
+                                                    j1_hi, Wo, 1, mu0)
+                                ci += step
+                            continue
+                        # M[t, x0, y0, x1, y1]
                         at = ((t * H + x0) * W + y0) * HW + (ii * dh - ph) * W + ji * dw - pw
                         if flat and j1_lo == 0 and j1_hi == Wo:
                             run = (i1_hi - i1_lo - 1) * P + Wo
@@ -735,11 +925,8 @@ def _kernel(prm, c_value, M):
                             for e in range(run):
                                 dst[e] += src[e]
                         else:  # a window cut by the padding: row by row
-                            for i1 in range(i1_lo, i1_hi):
-                                dst = _offset(box, i1 * P + j1_lo)
-                                src = _offset(Mp, at + i1 * sh * W + j1_lo * sw)
-                                for j1 in range(j1_hi - j1_lo):
-                                    dst[j1] += src[j1 * sw]
+                            _add_window_keep(box, Mp, at, sh * W, sw, i1_lo, i1_hi, j1_lo,
+                                             j1_hi, P, 1, _like(1.0, M))
                 if P != Wo:
                     for i1 in range(Ho):
                         for j1 in range(Wo):
@@ -788,43 +975,6 @@ _serial = njit(**_jit)(_renamed(_kernel, "_kernel_serial"))
 # The backward (docs/autograd.md, "The backend contract"): the adjoint of S.
 
 
-def _window_adder(dec):
-    """A compiled ``add_window`` with grad_S's element decoder built in."""
-
-    def add_window(dst, ptr, off, si, sj, i_lo, i_hi, j_lo, j_hi, pitch, step):
-        """``dst[i*pitch + j*step] += dec(ptr[off + i*si + j*sj])`` over the window
-        ``i_lo <= i < i_hi``, ``j_lo <= j < j_hi`` (the adjoint of reading a window)."""
-        nj = j_hi - j_lo
-        for i in range(i_lo, i_hi):
-            d = _offset(dst, i * pitch + j_lo * step)
-            src = off + i * si + j_lo * sj
-            if step == 1 and sj == 1:
-                for j in range(nj):
-                    d[j] += dec(ptr[src + j])
-            else:
-                for j in range(nj):
-                    d[j * step] += dec(ptr[src + j * sj])
-
-    return njit(**_inner)(add_window)
-
-
-_add_window_keep = _window_adder(_keep)
-_add_window_f16 = _window_adder(_f16_decode)
-_add_window_bf16 = _window_adder(_bf16_decode)
-
-
-@njit(**_inner)
-def _add_window_any(dst, addr, code, off, si, sj, i_lo, i_hi, j_lo, j_hi, pitch, step):
-    if code == F32:
-        _add_window_keep(dst, _f32_at(addr), off, si, sj, i_lo, i_hi, j_lo, j_hi, pitch, step)
-    elif code == F64:
-        _add_window_keep(dst, _f64_at(addr), off, si, sj, i_lo, i_hi, j_lo, j_hi, pitch, step)
-    elif code == F16:
-        _add_window_f16(dst, _u16_at(addr), off, si, sj, i_lo, i_hi, j_lo, j_hi, pitch, step)
-    else:
-        _add_window_bf16(dst, _u16_at(addr), off, si, sj, i_lo, i_hi, j_lo, j_hi, pitch, step)
-
-
 def _plane_storer(enc):
     """A compiled ``store_plane`` with the encoder of the destination's dtype built in."""
 
@@ -870,19 +1020,60 @@ def _store_plane_any(addr, code, off, sx, sy, H, W, src, nt=False):
         _store_plane_bf16(_u16_at(addr), off, sx, sy, H, W, src, nt)
 
 
+def _window_dotter(dec):
+    """A compiled ``dot_window`` with mu's element decoder built in."""
+
+    def dot_window(a, pitch, ptr, off, si, sj, i_lo, i_hi, j_lo, j_hi):
+        """The sum of ``a[i*pitch + j] * dec(ptr[off + i*si + j*sj])`` over the window
+        ``i_lo <= i < i_hi``, ``j_lo <= j < j_hi``, in float64: reassociation allowed
+        (vectorised; no finite-math assumption, so NaN and Inf propagate)."""
+        v = 0.0
+        if sj == 1 and si == pitch and j_lo == 0 and j_hi == pitch:  # one run
+            r = _offset(a, i_lo * pitch)
+            src = off + i_lo * pitch
+            for e in range((i_hi - i_lo) * pitch):
+                v += r[e] * np.float64(dec(ptr[src + e]))
+            return v
+        for i in range(i_lo, i_hi):
+            r = _offset(a, i * pitch)
+            src = off + i * si
+            if sj == 1:
+                for j in range(j_lo, j_hi):
+                    v += r[j] * np.float64(dec(ptr[src + j]))
+            else:
+                for j in range(j_lo, j_hi):
+                    v += r[j] * np.float64(dec(ptr[src + j * sj]))
+        return v
+
+    return njit(fastmath={"reassoc", "contract"}, **_inner)(dot_window)
+
+
+_dot_window_keep = _window_dotter(_keep)
+_dot_window_f16 = _window_dotter(_f16_decode)
+_dot_window_bf16 = _window_dotter(_bf16_decode)
+
+
 @njit(**_inner)
-def _mu_grad_exact(mub, x0, y0, s_at, prm):
-    """grad_mu at (x0, y0) for a mu plane ``mub`` with an Inf or NaN: the sum over kernel
-    offsets o and positions p with X_o(p) = (x0, y0), q with X_o(q) inside, of
-    ``mu[X_o(q)] * (grad_S[p, q] + grad_S[q, p])``, product by product as the numpy
-    reference forms them, so that Inf * 0 and Inf - Inf give NaN exactly where it does
-    (the fast path's factored sums would not). Rare: scalar loads are fine."""
+def _dot_window_any(a, pitch, addr, code, off, si, sj, i_lo, i_hi, j_lo, j_hi):
+    if code == F32:
+        return _dot_window_keep(a, pitch, _f32_at(addr), off, si, sj, i_lo, i_hi, j_lo, j_hi)
+    if code == F64:
+        return _dot_window_keep(a, pitch, _f64_at(addr), off, si, sj, i_lo, i_hi, j_lo, j_hi)
+    if code == F16:
+        return _dot_window_f16(a, pitch, _u16_at(addr), off, si, sj, i_lo, i_hi, j_lo, j_hi)
+    return _dot_window_bf16(a, pitch, _u16_at(addr), off, si, sj, i_lo, i_hi, j_lo, j_hi)
+
+
+@njit(**_inner)
+def _gather_row(row, x0, y0, s_addr, s_code, s_at, t_i0, t_j0, t_i1, t_j1, prm):
+    """``row[x1*W + y1] +=`` the sum over kernel offsets o and S positions p, q with
+    X_o(p) = (x0, y0) and X_o(q) = (x1, y1) inside the input of ``grad_S[p, q]``, read at
+    ``s_at + p . (t_i0, t_j0) + q . (t_i1, t_j1)``: the row ``D[x0, y0]`` of the adjoint of
+    the forward's window reads (of the symmetrised D, from grad_S + grad_S^T). A term with
+    a padded position is absent, whatever its grad_S."""
     H, W, Ho, Wo = prm[3], prm[4], prm[5], prm[6]
     kh, kw, sh, sw, ph, pw, dh, dw = (prm[7], prm[8], prm[9], prm[10], prm[11], prm[12],
                                       prm[13], prm[14])
-    s_addr, s_code, s_i0, s_j0, s_i1, s_j1 = (prm[16], prm[17], prm[20], prm[21], prm[22],
-                                              prm[23])
-    v = 0.0
     for ii in range(kh):
         r = x0 + ph - ii * dh
         if r < 0 or r % sh != 0 or r // sh >= Ho:
@@ -895,141 +1086,146 @@ def _mu_grad_exact(mub, x0, y0, s_at, prm):
                 continue
             j0 = q // sw
             j1_lo, j1_hi = _inside(ji * dw - pw, sw, W, Wo)
-            for i1 in range(i1_lo, i1_hi):
-                for j1 in range(j1_lo, j1_hi):
-                    t = (_load(s_addr, s_code, s_at + i0 * s_i0 + j0 * s_j0 + i1 * s_i1
-                               + j1 * s_j1)
-                         + _load(s_addr, s_code, s_at + i1 * s_i0 + j1 * s_j0 + i0 * s_i1
-                                 + j0 * s_j1))
-                    v += mub[(i1 * sh + ii * dh - ph) * W + j1 * sw + ji * dw - pw] * t
-    return v
+            # row[x1 = i1*sh + ii*dh - ph, y1 = j1*sw + ji*dw - pw] += grad_S[i0, j0, i1, j1]
+            _add_window_any(_offset(row, (ii * dh - ph) * W + ji * dw - pw), s_addr, s_code,
+                            s_at + i0 * t_i0 + j0 * t_j0, t_i1, t_j1, i1_lo, i1_hi, j1_lo,
+                            j1_hi, sh * W, sw, 1.0)
 
 
-@njit(fastmath={"reassoc", "contract"}, **_inner)
-def _dot(a, b, n):
-    """sum of a[e] * b[e]: reassociation allowed (vectorised; no finite-math assumption,
-    so NaN and Inf propagate)."""
-    v = 0.0
-    for e in range(n):
-        v += a[e] * b[e]
-    return v
-
-
-@njit(fastmath={"reassoc"}, **_inner)
-def _all_finite(a, n):
-    z = 0.0
-    for e in range(n):
-        z += a[e] * 0.0
-    return z == 0.0
+@njit(**_inner)
+def _mu_grad_windows(acc, nc, x0, y0, m_addr, m_code, m_off, sym, prm):
+    """``acc[dc] =`` grad_mu at (x0, y0) of the mu planes at ``m_off + dc*m_c``, dc < nc:
+    the sum over kernel offsets o and positions p with X_o(p) = (x0, y0), q with X_o(q) inside,
+    of ``mu[X_o(q)] * (grad_S + grad_S^T)[p, q]`` (``sym``: the pair's block of it,
+    float64), window by window. These are the numpy reference's products, each formed
+    once: exact for any values, Inf * 0 and Inf - Inf giving NaN exactly where they do
+    there."""
+    H, W, Ho, Wo = prm[3], prm[4], prm[5], prm[6]
+    kh, kw, sh, sw, ph, pw, dh, dw = (prm[7], prm[8], prm[9], prm[10], prm[11], prm[12],
+                                      prm[13], prm[14])
+    m_c, m_x, m_y = prm[26], prm[27], prm[28]
+    for dc in range(nc):
+        acc[dc] = 0
+    for ii in range(kh):
+        r = x0 + ph - ii * dh
+        if r < 0 or r % sh != 0 or r // sh >= Ho:
+            continue
+        i0 = r // sh
+        i1_lo, i1_hi = _inside(ii * dh - ph, sh, H, Ho)
+        for ji in range(kw):
+            q = y0 + pw - ji * dw
+            if q < 0 or q % sw != 0 or q // sw >= Wo:
+                continue
+            j0 = q // sw
+            j1_lo, j1_hi = _inside(ji * dw - pw, sw, W, Wo)
+            # mu[x1 = i1*sh + ii*dh - ph, y1 = j1*sw + ji*dw - pw] * sym[i0, j0, i1, j1]
+            row = _offset(sym, (i0 * Wo + j0) * Ho * Wo)
+            at = m_off + (ii * dh - ph) * m_x + (ji * dw - pw) * m_y
+            for dc in range(nc):
+                acc[dc] += _dot_window_any(row, Wo, m_addr, m_code, at + dc * m_c, sh * m_x,
+                                           sw * m_y, i1_lo, i1_hi, j1_lo, j1_hi)
 
 
 # The backward kernel's ``prm`` vector. Addresses in bytes, strides in elements;
 # grad_gamma's strides are those of its channel diagonal; code ABSENT: not wanted.
-_VJP_PRM = ("B Ci G H W Ho Wo kh kw sh sw ph pw dh dw pairs "
+_VJP_PRM = ("B Ci G H W Ho Wo kh kw sh sw ph pw dh dw "
             "s_addr s_code s_b s_g s_i0 s_j0 s_i1 s_j1 "
             "m_addr m_code m_b m_c m_x m_y "
             "gg_addr gg_code gg_b gg_c gg_x0 gg_y0 gg_x1 gg_y1 "
-            "gm_addr gm_code gm_b gm_c gm_x gm_y nt").split()
+            "gm_addr gm_code gm_b gm_c gm_x gm_y nt pairs sym_addr windows").split()
 
 
-def _vjp_kernel(prm, D):
-    """Overwrite grad_gamma's channel diagonal and grad_mu from grad_S. ``D`` (float64)
-    holds, per (b, g) pair of a chunk, dGamma[x0, y0, x1, y1], the gradient of the group's
-    channel sum of gamma's diagonal (and of the mu outer product: the same windows)."""
+def _vjp_kernel(prm):
+    """Overwrite grad_gamma's channel diagonal and grad_mu from grad_S, one row
+    ``D[x0, y0, :, :]`` of the group's dGamma (the gradient of the channel sum of gamma's
+    diagonal, and of the mu outer product: the same windows) at a time, per thread. For
+    grad_mu, a chunk of ``pairs`` (b, g) pairs of ``grad_S + grad_S^T`` (float64) at
+    ``sym_addr``; ``windows``: grad_mu window by window, not by rows."""
     B, Ci, G, H, W, Ho, Wo = prm[0], prm[1], prm[2], prm[3], prm[4], prm[5], prm[6]
-    kh, kw, sh, sw, ph, pw, dh, dw = (prm[7], prm[8], prm[9], prm[10], prm[11], prm[12],
-                                      prm[13], prm[14])
-    pairs = prm[15]
-    s_addr, s_code, s_b, s_g, s_i0, s_j0, s_i1, s_j1 = (prm[16], prm[17], prm[18], prm[19],
-                                                          prm[20], prm[21], prm[22], prm[23])
-    m_addr, m_code, m_b, m_c, m_x, m_y = prm[24], prm[25], prm[26], prm[27], prm[28], prm[29]
+    s_addr, s_code, s_b, s_g, s_i0, s_j0, s_i1, s_j1 = (prm[15], prm[16], prm[17], prm[18],
+                                                          prm[19], prm[20], prm[21], prm[22])
+    m_addr, m_code, m_b, m_c, m_x, m_y = prm[23], prm[24], prm[25], prm[26], prm[27], prm[28]
     gg_addr, gg_code, gg_b, gg_c, gg_x0, gg_y0, gg_x1, gg_y1 = (
-        prm[30], prm[31], prm[32], prm[33], prm[34], prm[35], prm[36], prm[37])
-    gm_addr, gm_code, gm_b, gm_c, gm_x, gm_y = (prm[38], prm[39], prm[40], prm[41], prm[42],
-                                                prm[43])
-    nt = prm[44] != 0  # grad_gamma is large: stream it past the caches
-    Cg, HW = Ci // G, H * W
+        prm[29], prm[30], prm[31], prm[32], prm[33], prm[34], prm[35], prm[36])
+    gm_addr, gm_code, gm_b, gm_c, gm_x, gm_y = (prm[37], prm[38], prm[39], prm[40], prm[41],
+                                                prm[42])
+    nt = prm[43] != 0  # grad_gamma is large: stream it past the caches
+    pairs, sym_addr, windows = prm[44], prm[45], prm[46] != 0
+    Cg, HW, HoWo = Ci // G, H * W, Ho * Wo
+    want_mu = gm_code != ABSENT
     for first in range(0, B * G, pairs):
         n = min(pairs, B * G - first)
 
-        # Phase 1: the rows D[t, x0, y0, :, :] for all y0, by gathering the grad_S rows
-        # S[i0, j0] whose window (offset ii, ji) lands on (x0, y0): the adjoint of the
-        # forward's box filter. Only windows with both positions inside the input are
-        # added: a term with a padded position is absent, whatever its grad_S value.
-        # Then the block is stored into every channel of the group (rounded once each).
+        # grad_S + grad_S^T: grad_mu's adjoint reads the symmetrised gradient (below).
+        for task in prange(n * Ho if want_mu else 0):
+            t, i0 = task // Ho, task % Ho
+            b, g = (first + t) // G, (first + t) % G
+            for j0 in range(Wo):
+                dst = _offset(_f64_at(sym_addr), (t * HoWo + i0 * Wo + j0) * HoWo)
+                for e in range(HoWo):
+                    dst[e] = 0
+                at = b * s_b + g * s_g
+                _add_plane_any(dst, s_addr, s_code, at + i0 * s_i0 + j0 * s_j0, s_i1, s_j1,
+                               Ho, Wo, 1.0)
+                _add_plane_any(dst, s_addr, s_code, at + i0 * s_i1 + j0 * s_j1, s_i0, s_j0,
+                               Ho, Wo, 1.0)
+
         for task in prange(n * H):
             t, x0 = task // H, task % H
             b, g = (first + t) // G, (first + t) % G
-            blk = _offset(_data(D), task * W * HW)  # D[t, x0, :, :, :]
-            for e in range(W * HW):
-                blk[e] = 0
-            for ii in range(kh):
-                r = x0 + ph - ii * dh
-                if r < 0 or r % sh != 0 or r // sh >= Ho:
-                    continue
-                i0 = r // sh
-                i1_lo, i1_hi = _inside(ii * dh - ph, sh, H, Ho)
-                for y0 in range(W):
-                    row = _offset(blk, y0 * HW)
-                    for ji in range(kw):
-                        q = y0 + pw - ji * dw
-                        if q < 0 or q % sw != 0 or q // sw >= Wo:
-                            continue
-                        j0 = q // sw
-                        j1_lo, j1_hi = _inside(ji * dw - pw, sw, W, Wo)
-                        # D[x1 = i1*sh + ii*dh - ph, y1 = j1*sw + ji*dw - pw] += grad_S[i1, j1]
-                        dst = _offset(row, (ii * dh - ph) * W + ji * dw - pw)
-                        _add_window_any(dst, s_addr, s_code,
-                                        b * s_b + g * s_g + i0 * s_i0 + j0 * s_j0,
-                                        s_i1, s_j1, i1_lo, i1_hi, j1_lo, j1_hi, sh * W, sw)
-            if gg_code != ABSENT:
-                for ci in range(g * Cg, (g + 1) * Cg):
-                    for y0 in range(W):
+            s_at = b * s_b + g * s_g
+            sym = _offset(_f64_at(sym_addr), t * HoWo * HoWo)  # the pair's block
+            # Thread-local: the row (none for grad_mu alone by windows), the group's
+            # grad_mu values at (x0, y0).
+            row_buf = np.empty(HW if gg_code != ABSENT or not windows else 1, np.float64)
+            val_buf = np.empty(Cg, np.float64)
+            row, val = _data(row_buf), _data(val_buf)
+            for y0 in range(W):
+                # D[x0, y0, :, :] by gathering the grad_S rows S[i0, j0] whose window
+                # (offset ii, ji) lands on (x0, y0): the adjoint of the forward's box
+                # filter. It is stored into every channel of the group (rounded once each).
+                if gg_code != ABSENT:
+                    for e in range(HW):
+                        row[e] = 0
+                    _gather_row(row, x0, y0, s_addr, s_code, s_at, s_i0, s_j0, s_i1, s_j1,
+                                prm)
+                    for ci in range(g * Cg, (g + 1) * Cg):
                         _store_plane_any(gg_addr, gg_code,
                                          b * gg_b + ci * gg_c + x0 * gg_x0 + y0 * gg_y0,
-                                         gg_x1, gg_y1, H, W, _offset(blk, y0 * HW), nt)
-                if nt:
-                    _store_fence()
-
-        if gm_code == ABSENT:
-            continue
-        # Phase 2: grad_mu[b, ci, x0, y0] = sum over (x1, y1) of
-        # (D[x0, y0, x1, y1] + D[x1, y1, x0, y0]) * mu[b, ci, x1, y1]: the mu part of S
-        # reads the same windows of the outer product mu x mu as the gamma part reads of
-        # gamma, so its adjoint is this product with the symmetrised D. D is exactly 0 on
-        # the position pairs no offset forms, so for a finite mu plane the plain dot
-        # product is exact. A plane with an Inf or NaN would turn those zeros into
-        # NaN (Inf * 0), and summing grad_S over offsets before multiplying would miss
-        # Inf - Inf: such a plane takes the reference's products one by one.
-        for task in prange(n * H):
-            t, x0 = task // H, task % H
-            b, g = (first + t) // G, (first + t) % G
-            ds_buf = np.empty(W * HW, np.float64)  # DS[y0, x1, y1]: the symmetric rows
-            mu_buf = np.empty(HW, np.float64)
-            acc_buf = np.empty(W, np.float64)
-            ds, mub, acc = _data(ds_buf), _data(mu_buf), _data(acc_buf)
-            Dp = _data(D)
-            blk = _offset(Dp, task * W * HW)
-            for e in range(W * HW):
-                ds[e] = blk[e]
-            for e in range(HW):
-                col = _offset(Dp, (t * HW + e) * HW + x0 * W)
-                for y0 in range(W):
-                    ds[y0 * HW + e] += col[y0]
-            for ci in range(g * Cg, (g + 1) * Cg):
-                for e in range(HW):
-                    mub[e] = 0
-                _add_plane_any(mub, m_addr, m_code, b * m_b + ci * m_c, m_x, m_y, H, W, 1.0)
-                if _all_finite(mub, HW):
-                    for y0 in range(W):
-                        acc[y0] = _dot(_offset(ds, y0 * HW), mub, HW)
-                else:  # the forward's products one by one, as the reference forms them
-                    for y0 in range(W):
-                        acc[y0] = _mu_grad_exact(mub, x0, y0, b * s_b + g * s_g, prm)
-                _store_plane_any(gm_addr, gm_code, b * gm_b + ci * gm_c + x0 * gm_x, 0,
-                                 gm_y, 1, W, acc)
+                                         gg_x1, gg_y1, H, W, row, nt)
+                if not want_mu:
+                    continue
+                # grad_mu[b, ci, x0, y0] = sum over (x1, y1) of
+                # (D[x0, y0, x1, y1] + D[x1, y1, x0, y0]) * mu[b, ci, x1, y1]: the mu part
+                # of S reads the same windows of the outer product mu x mu as the gamma
+                # part reads of gamma, so its adjoint is this product with the
+                # symmetrised D. Either window by window (_mu_grad_windows), or by
+                # rows: the row of the symmetrised D, gathered from grad_S + grad_S^T,
+                # dotted with the whole mu plane; D is exactly 0 on the position pairs no
+                # offset forms, so for finite values this is the same sum. With an Inf or
+                # NaN, those zeros would become NaN (Inf * 0) and summing over offsets
+                # before multiplying could miss Inf - Inf; such a dot product is never
+                # finite, and a non-finite one is formed again window by window.
+                m_at = b * m_b + g * Cg * m_c  # mu[b, g * Cg]
+                if windows:
+                    _mu_grad_windows(val, Cg, x0, y0, m_addr, m_code, m_at, sym, prm)
+                else:
+                    for e in range(HW):
+                        row[e] = 0
+                    _gather_row(row, x0, y0, sym_addr, F64, t * HoWo * HoWo, Wo * HoWo,
+                                HoWo, Wo, 1, prm)
+                    for dc in range(Cg):  # channel g * Cg + dc
+                        val[dc] = _dot_window_any(row, W, m_addr, m_code, m_at + dc * m_c,
+                                                  m_x, m_y, 0, H, 0, W)
+                        if not np.isfinite(val[dc]):
+                            _mu_grad_windows(_offset(val, dc), 1, x0, y0, m_addr, m_code,
+                                             m_at + dc * m_c, sym, prm)
+                _store_plane_any(gm_addr, gm_code, b * gm_b + g * Cg * gm_c + x0 * gm_x
+                                 + y0 * gm_y, gm_c, 0, Cg, 1, val)
+            if nt:
+                _store_fence()
             # keep the buffers alive while their raw pointers are in use
-            ds_buf[0] = mu_buf[0] = acc_buf[0] = 0
+            row_buf[0] = val_buf[0] = 0
 
 
 _vjp_parallel = njit(parallel=True, **_jit)(_vjp_kernel)
@@ -1078,8 +1274,9 @@ def _call(parallel, serial, *args) -> None:
             _layer = _current_layer()
 
 
-#: Phase-1 buffer per chunk of (b, g) pairs, in bytes: big enough to give every core work,
-#: small enough to stay in the last-level cache between phase 1 and phase 2.
+#: Phase-1 buffer (M plan) per chunk of (b, g) pairs, in bytes: big enough to give every
+#: core work, small enough to stay in the last-level cache between phase 1 and phase 2.
+#: The backward's chunk of grad_S + grad_S^T is sized by it too.
 CHUNK_BYTES = 4 << 20
 #: Software prefetch distance, in bytes ahead of the plane / row being read (converted to
 #: whole gamma planes and out rows); measured on the ``cpu`` workload, docs/numba.md.
@@ -1095,9 +1292,27 @@ _O_ADDR, _G_ADDR, _M_ADDR, _C_ADDR, _PAIRS = (
     _PRM.index(n) for n in ("o_addr", "g_addr", "m_addr", "c_addr", "pairs"))
 
 
+def _direct_plan(kh, kw, HW, HoWo, acc_size):
+    """Whether the forward takes the direct plan (no M)."""
+    # Per channel it reads kh*kw*(Ho*Wo)**2 terms where phase 1 reads (H*W)**2 into M; an M
+    # within CHUNK_BYTES stays in cache, where the M plan is 1.5-2.7x faster on stride 2.
+    return kh * kw * HoWo**2 < HW**2 and HW**2 * acc_size > CHUNK_BYTES
+
+
+#: How many times a term of the backward's grad_mu windows (strided, short runs) costs a
+#: term of its rows (contiguous dot products), measured on strided ``cpu``-like shapes.
+VJP_WINDOWS_COST = 8
+
+
+def _vjp_windows(kh, kw, HW, HoWo):
+    """Whether the backward forms grad_mu window by window, not by rows."""
+    # Rows take no (H*W)**2 buffer, so speed decides: (H*W)**2 terms against kh*kw*(Ho*Wo)**2.
+    return VJP_WINDOWS_COST * kh * kw * HoWo**2 < HW**2
+
+
 def _params(p):
     """(the kernel's parameters for p's signature, addresses 0; the accumulation type;
-    the size of one (b, g) plane of its buffer)."""
+    the size of one (b, g) plane of its buffer: 0 in the direct plan)."""
     acc = np.float64 if p.acc == "float64" else np.float32
     if p.c is None:
         c_part = (0, ABSENT, 0)
@@ -1110,17 +1325,21 @@ def _params(p):
         g_part = (0, ABSENT, 0, 0, 0, 0, 0, 0)
     else:
         g_part = (0, _CODE[gi.dtype]) + diag_strides(gi.strides, p.full_gamma)
+    Cg = p.Ci // p.G
+    direct = _direct_plan(p.kh, p.kw, p.H * p.W, p.Ho * p.Wo, acc(0).itemsize)
     pf = (0, 0)
     if sum(p.diagonal_bytes()) >= PREFETCH_FROM_BYTES:
-        g_plane = p.H * p.W * (2 if gi is None else _ITEMSIZE[gi.dtype])
-        pf = (max(1, PREFETCH_BYTES // g_plane),
+        isz = 2 if gi is None else _ITEMSIZE[gi.dtype]
+        # ahead by whole gamma planes (M plan) or whole S rows' windows (direct plan)
+        g_ahead = (p.kh * p.kw * Cg * p.Ho * p.Wo if direct else p.H * p.W) * isz
+        pf = (max(1, PREFETCH_BYTES // g_ahead),
               max(1, PREFETCH_BYTES // (p.Ho * p.Wo * _ITEMSIZE[o.dtype])))
-    plane = (p.H * p.W) ** 2
+    plane = 0 if direct else (p.H * p.W) ** 2
     acc_size = 4 if acc is np.float32 else 8
     pairs = max(1, min(p.B * p.G, CHUNK_BYTES // max(plane * acc_size, 1)))
     prm = np.array((p.B, p.Ci, p.Co, p.G, p.H, p.W, p.Ho, p.Wo, p.kh, p.kw, p.sh, p.sw,
                     p.ph, p.pw, p.dh, p.dw, pairs, *o_part, *g_part, 0,
-                    _CODE[m.dtype], *m.strides, *c_part, *pf), np.int64)
+                    _CODE[m.dtype], *m.strides, *c_part, *pf, int(direct)), np.int64)
     assert len(prm) == len(_PRM)
     return prm, acc, plane
 
@@ -1168,14 +1387,20 @@ class NumbaBackend(Backend):
                        + diag_strides(gg.strides, a.full_gamma))
         gm_part = ((0, ABSENT, 0, 0, 0, 0) if a.grad_mu is None
                    else (gm.ptr, _CODE[gm.dtype], *gm.strides))
-        plane = (a.H * a.W) ** 2
-        pairs = max(1, min(a.B * a.G, CHUNK_BYTES // max(plane * 8, 1)))
         nt = int(gg_part[1] != ABSENT
-                 and a.B * a.Ci * plane * _ITEMSIZE[gg.dtype] >= STREAM_FROM_BYTES)
+                 and a.B * a.Ci * (a.H * a.W) ** 2 * _ITEMSIZE[gg.dtype] >= STREAM_FROM_BYTES)
+        # grad_mu's grad_S + grad_S^T, in chunks of (b, g) pairs: as large as grad_S's
+        # (b, g) blocks (in float64), a chunk at a time
+        block = (a.Ho * a.Wo) ** 2 if a.grad_mu is not None else 0
+        pairs = max(1, min(a.B * a.G, CHUNK_BYTES // max(block * 8, 1)))
+        sym = np.empty(pairs * block, np.float64)
+        windows = _vjp_windows(a.kh, a.kw, a.H * a.W, a.Ho * a.Wo)
         prm = np.array((a.B, a.Ci, a.G, a.H, a.W, a.Ho, a.Wo, a.kh, a.kw, a.sh, a.sw,
-                        a.ph, a.pw, a.dh, a.dw, pairs, s.ptr, _CODE[s.dtype], *s.strides,
-                        m.ptr, _CODE[m.dtype], *m.strides, *gg_part, *gm_part, nt), np.int64)
+                        a.ph, a.pw, a.dh, a.dw, s.ptr, _CODE[s.dtype], *s.strides,
+                        m.ptr, _CODE[m.dtype], *m.strides, *gg_part, *gm_part, nt, pairs,
+                        sym.ctypes.data, int(windows)), np.int64)
         assert len(prm) == len(_VJP_PRM)
-        _call(_vjp_parallel, _vjp_serial, prm, np.empty(pairs * plane, np.float64))
+        _call(_vjp_parallel, _vjp_serial, prm)
+        del sym  # (held until the kernel is done with its address)
 
 backend = NumbaBackend()
