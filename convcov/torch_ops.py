@@ -1,47 +1,50 @@
 """convcov as PyTorch operators: exact gradients, torch.compile without graph breaks.
 
-Owns three operators in the ``convcov`` namespace of ``torch.library`` and their autograd
-(docs/autograd.md has the math and the contract):
+Owns three operators in the ``convcov`` namespace, all made with ``torch.library``'s
+public API (``custom_op``, ``register_fake``, ``register_autograd``), and the torch side
+of ``convcov.accumulate`` / ``convcov.patch_moment`` for the calls the front end routes
+here (autograd records them, or a tracer looks at them). docs/autograd.md has the math
+and the contract.
 
-* ``convcov::patch_moment(gamma?, mu, ...) -> S``: functional. Its backward is
-  ``convcov::patch_moment_vjp``.
-* ``convcov::patch_moment_vjp(grad_S, mu, ...) -> (grad_gamma, grad_mu)``: functional, the
-  backend's own backward (``Backend.patch_moment_vjp``). First-order: it has no backward.
-* ``convcov::accumulate_(out!, gamma?, mu, c?, c_value, ...) -> ()``: in place, with the
-  fused forward kernel. ``torch.library`` gives mutable operators no autograd formula, so
-  this one is registered by hand, the way torch's own in-place ops are: an
-  ``ADInplaceOrView`` kernel bumps ``out``'s version counter, and an ``Autograd`` kernel
-  checks ``out`` as torch checks the target of an in-place op (a leaf that requires grad
-  is refused before anything is written), then runs the kernel inside an
-  ``autograd.Function`` that marks ``out`` dirty, so ``out`` gets the new history (through
-  ``CopySlices`` when it is a view) and its old value gets the incoming gradient
-  unchanged. Its backward reduces the gradient of ``out``'s channel-diagonal over each
-  group's output channels (torch matmuls: read once) into ``grad_S`` and hands that to
-  ``convcov::patch_moment_vjp``. When ``c`` requires grad, the forward keeps ``S`` for
-  ``dL/dc`` instead of fusing: ``patch_moment``, then ``out += c * S`` as the backend's 1x1
-  problem whose "gamma" is ``S`` (docs/autograd.md, "What it costs").
+* ``convcov::patch_moment(gamma?, mu, ..., wide) -> S``: functional; its autograd
+  formula's backward is ``convcov::patch_moment_vjp``.
+* ``convcov::patch_moment_vjp(grad_S, mu, ...) -> (grad_gamma, grad_mu)``: functional,
+  the backend's own backward (``Backend.patch_moment_vjp``); first-order, no formula.
+* ``convcov::accumulate_(out!, gamma?, mu, c?, c_value, ...) -> ()``: mutates ``out`` with
+  the backend's fused kernel. No autograd formula (torch.library gives none to operators
+  that mutate), so it serves the calls autograd does not record.
+
+A call that autograd records runs as ``S = convcov::patch_moment(gamma, mu)`` and then
+torch's own in-place op on ``out``'s channel-diagonal, grouped as ``(B, G, Co // G, ...)``:
+``addcmul_(S[:, :, None], c)`` with ``S`` and ``c`` broadcast, so nothing of out's size
+is allocated (except by torch's host kernels for a 16-bit ``out``, which compute through
+a float32 copy of it). torch then does all the in-place bookkeeping, before anything is
+written: the version counter, the new history of ``out`` (through ``CopySlices`` for a
+view), the refusal of leaves and of views torch does not let in-place ops modify; and its
+formula gives the gradients of ``out``'s old value, of ``c`` and of ``S`` (through which
+``convcov::patch_moment``'s formula gives those of ``gamma`` and ``mu``). ``S`` and ``c``
+are in the dtype the fused kernel sums in, so torch's type promotion runs the add in that
+dtype and rounds once into ``out``'s.
 
 Every operator has a fake kernel (shapes and dtypes only), so ``torch.compile`` puts each
-call in the graph as one node, and the autograd formulas are plain torch code that
-AOTAutograd traces into the backward graph. The kernels allocate through torch and never
-synchronise: the calls can be captured in CUDA graphs.
+in the graph as one node, and the rest is torch code the compiler traces. The kernels
+allocate through torch and never synchronise: the calls can be captured in CUDA graphs.
 
 The front end (``convcov._frontend``) imports this module on the first torch call that
-needs it (grad recording or compiling); importing it imports torch. The wrappers here are
-what Dynamo traces: no data pointers, no numpy, no backend selection (the kernels do that
-at run time, through the ordinary front end).
+needs it; importing it imports torch. The wrappers here are what Dynamo traces: no data
+pointers, no numpy, no backend selection (the kernels do that, through the front end).
 """
 
 import numbers
 
 import torch
-from torch import _C
 
 from . import _frontend, _registry
 from ._errors import ShapeError
 
 _PARAMS = ("int[2] kernel_size, int[2] stride, int[2] padding, int[2] dilation, int groups, "
            "str? backend")
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def _out_size(n, k, s, p, d):
@@ -77,26 +80,39 @@ def _params(kernel_size, stride, padding, dilation, groups, Co, Ci):
 # convcov::patch_moment and its backward.
 
 
-@torch.library.custom_op("convcov::patch_moment", mutates_args=(),
-                         schema="(Tensor? gamma, Tensor mu, " + _PARAMS + ") -> Tensor")
-def _patch_moment(gamma, mu, kernel_size, stride, padding, dilation, groups, backend):
-    return _frontend.patch_moment_unrouted(gamma, mu, tuple(kernel_size), tuple(stride),
-                                           tuple(padding), tuple(dilation), groups, backend)
+@torch.library.custom_op(
+    "convcov::patch_moment", mutates_args=(),
+    schema="(Tensor? gamma, Tensor mu, " + _PARAMS + ", bool wide=False) -> Tensor")
+def _patch_moment(gamma, mu, kernel_size, stride, padding, dilation, groups, backend,
+                  wide=False):
+    """S; in float64 also when ``wide`` (an accumulate that sums in float64 for out's or
+    c's sake, though gamma and mu are not float64)."""
+    args = (gamma, mu, tuple(kernel_size), tuple(stride), tuple(padding), tuple(dilation),
+            groups, backend)
+    if not wide:
+        return _frontend.patch_moment_unrouted(*args)
+    shape, _, conv = _frontend.check_patch_moment(*args)
+    # As patch_moment_unrouted, into float64 zeros: accumulate with one output channel per
+    # group and c = 1, which sums in float64 because S is float64.
+    S = torch.zeros(shape, dtype=torch.float64, device=mu.device)
+    return _frontend.accumulate_unrouted(S, gamma, mu, 1.0, *conv, backend)
 
 
 @_patch_moment.register_fake
-def _patch_moment_fake(gamma, mu, kernel_size, stride, padding, dilation, groups, backend):
+def _patch_moment_fake(gamma, mu, kernel_size, stride, padding, dilation, groups, backend,
+                       wide=False):
     if mu.dim() != 4:
         raise ShapeError(f"mu: expected 4 dims (B, Ci, H, W); got shape {tuple(mu.shape)}")
     B, _, H, W = mu.shape
     Ho = _out_size(H, kernel_size[0], stride[0], padding[0], dilation[0])
     Wo = _out_size(W, kernel_size[1], stride[1], padding[1], dilation[1])
-    return mu.new_empty((B, groups, Ho, Wo, Ho, Wo), dtype=_acc(gamma, mu))
+    dtype = torch.float64 if wide else _acc(gamma, mu)
+    return mu.new_empty((B, groups, Ho, Wo, Ho, Wo), dtype=dtype)
 
 
 def _patch_moment_setup(ctx, inputs, output):
     gamma, mu, *conv = inputs
-    ctx.conv = conv
+    ctx.conv = conv[:6]
     ctx.gamma_ndim = 0 if gamma is None else gamma.dim()
     ctx.gamma_dtype = mu.dtype if gamma is None else gamma.dtype
     ctx.save_for_backward(mu)
@@ -107,7 +123,7 @@ def _patch_moment_backward(ctx, grad_S):
     need_gamma, need_mu = ctx.needs_input_grad[:2]
     grad_gamma, grad_mu = _vjp(grad_S, mu, ctx.gamma_ndim if need_gamma else 0,
                                ctx.gamma_dtype, need_mu, ctx.conv)
-    return grad_gamma, grad_mu, None, None, None, None, None, None
+    return grad_gamma, grad_mu, None, None, None, None, None, None, None
 
 
 _patch_moment.register_autograd(_patch_moment_backward, setup_context=_patch_moment_setup)
@@ -157,140 +173,69 @@ def _vjp(grad_S, mu, gamma_ndim, gamma_dtype, need_mu, conv):
 
 
 # ---------------------------------------------------------------------------------------
-# convcov::accumulate_: a mutable operator with a hand-registered autograd kernel.
-
-_lib = torch.library.Library("convcov", "FRAGMENT")
-_lib.define("accumulate_(Tensor(a!) out, Tensor? gamma, Tensor mu, Tensor? c, float c_value, "
-            + _PARAMS + ") -> ()", tags=(torch.Tag.pt2_compliant_tag,))
-_accumulate_op = torch.ops.convcov.accumulate_.default
+# convcov::accumulate_: the fused kernel, for calls autograd does not record.
 
 
-def _accumulate_kernel(out, gamma, mu, c, c_value, kernel_size, stride, padding, dilation,
-                       groups, backend):
+@torch.library.custom_op(
+    "convcov::accumulate_", mutates_args=("out",),
+    schema="(Tensor(a!) out, Tensor? gamma, Tensor mu, Tensor? c, float c_value, "
+           + _PARAMS + ") -> ()")
+def _accumulate(out, gamma, mu, c, c_value, kernel_size, stride, padding, dilation, groups,
+                backend):
     _frontend.accumulate_unrouted(out, gamma, mu, c_value if c is None else c,
                                   tuple(kernel_size), tuple(stride), tuple(padding),
                                   tuple(dilation), groups, backend)
 
 
-def _accumulate_fake(out, gamma, mu, c, c_value, kernel_size, stride, padding, dilation,
-                     groups, backend):
+@_accumulate.register_fake
+def _accumulate_fake(out, gamma, mu, c, c_value, *conv):
     return None
 
 
-def _accumulate_inplace_or_view(keyset, out, *args):
-    torch.autograd.graph.increment_version(out)  # no-op for inference tensors
-    return _accumulate_op.redispatch(keyset & _C._after_ADInplaceOrView_keyset, out, *args)
+# ---------------------------------------------------------------------------------------
+# The autograd path: S, then torch's in-place op on out's channel-diagonal.
 
 
-class _Conv:
-    """The non-tensor arguments of one accumulate_ call, passed through autograd."""
-
-    __slots__ = ("c_value", "conv", "keyset")
-
-    def __init__(self, keyset, c_value, conv):
-        self.keyset, self.c_value, self.conv = keyset, c_value, conv
-
-
-class _Accumulate(torch.autograd.Function):
-    """``out += c ⊙ S(gamma, mu)`` on the channel-diagonal, in place (see the module doc)."""
-
-    @staticmethod
-    def forward(ctx, out, gamma, mu, c, a: _Conv):
-        need_gamma, need_mu, need_c = ctx.needs_input_grad[1:4]
-        S = None
-        with _C._AutoDispatchBelowAutograd():
-            if need_c:
-                # dL/dc needs S. Rather than recompute it in the backward (one more read
-                # of gamma's diagonal, the largest array), the forward keeps it: S by the
-                # backend, then out += c * S by the backend's own kernel, as the 1x1
-                # problem whose "gamma" is S (one channel per group, mu = 0: S' = S
-                # exactly). S is Co / G times smaller than out's diagonal.
-                S = torch.ops.convcov.patch_moment(gamma, mu, *a.conv)
-                B, G, Ho, Wo = S.shape[:4]
-                _accumulate_op.redispatch(a.keyset, out, S, S.new_zeros((B, G, Ho, Wo)), c,
-                                          a.c_value, [1, 1], [1, 1], [0, 0], [1, 1], G,
-                                          a.conv[5])
-            else:
-                _accumulate_op.redispatch(a.keyset, out, gamma, mu, c, a.c_value, *a.conv)
-        ctx.mark_dirty(out)
-        ctx.a = a
-        ctx.full_out = out.dim() == 7
-        ctx.acc = _acc(out, gamma, mu, c)
-        ctx.gamma_ndim = 0 if gamma is None else gamma.dim()
-        ctx.gamma_dtype = mu.dtype if gamma is None else gamma.dtype
-        # mu for its gradient, and for its shape and device.
-        ctx.save_for_backward(S, mu, c if (need_gamma or need_mu or need_c) else None)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        S, mu, c = ctx.saved_tensors
-        _, need_gamma, need_mu, need_c, _ = ctx.needs_input_grad
-        a, acc = ctx.a, ctx.acc
-        grad_gamma = grad_mu = grad_c = None
-        if need_gamma or need_mu or need_c:
-            G = a.conv[4]
-            # The gradient of out's channel-diagonal, grouped: (B, G, Co // G, Ho*Wo*Ho*Wo).
-            d = grad.diagonal(dim1=1, dim2=4).movedim(-1, 1) if ctx.full_out else grad
-            B, Co, Ho, Wo = d.shape[:4]
-            grads = d.unflatten(1, (G, Co // G)).flatten(3).to(acc)
-        if need_gamma or need_mu:
-            # grad_S[b, g] = sum over c0 in g of c[c0] * grad[b, c0]: one read of grad.
-            if c is None:
-                grad_S = grads.sum(2) * a.c_value
-            else:
-                cg = c.to(acc).expand(Co).reshape(G, 1, Co // G)
-                grad_S = torch.matmul(cg, grads).squeeze(2)
-            grad_gamma, grad_mu = _vjp(grad_S.view(B, G, Ho, Wo, Ho, Wo), mu,
-                                       ctx.gamma_ndim if need_gamma else 0, ctx.gamma_dtype,
-                                       need_mu, a.conv)
-        if need_c:
-            # dL/dc[c0] = sum of grad[:, c0] * S[:, g(c0)], S kept by the forward.
-            S = S.view(B, G, grads.shape[3], 1)
-            per_c0 = torch.matmul(grads, S).sum(0).reshape(Co)
-            grad_c = (per_c0 if c.dim() else per_c0.sum()).to(c.dtype)
-        return grad, grad_gamma, grad_mu, grad_c, None
-
-
-# Private, long-standing (torch's fake tensors use it); without it, torch itself still
-# refuses such views, only after the kernel has written.
-_creation_meta = getattr(_C._autograd, "_get_creation_meta", None)
-_VIEW_KINDS = {"MULTI_OUTPUT_NODE": "by a function that returns several views (unbind, "
-                                    "split, chunk, ...)",
-               "NO_GRAD_MODE": "in no_grad mode", "INFERENCE_MODE": "in inference mode",
-               "IN_CUSTOM_FUNCTION": "inside a custom autograd.Function"}
-
-
-def _check_inplace(out):
-    # torch's own checks for the target of an in-place op, made before the kernel writes.
-    if out.requires_grad and out.is_leaf:
-        raise RuntimeError("a leaf Variable that requires grad is being used in an in-place "
-                           "operation.")
-    if out._is_view():
-        if out._base.requires_grad and out._base.is_leaf:
-            raise RuntimeError("a view of a leaf Variable that requires grad is being used "
-                               "in an in-place operation.")
-        kind = _VIEW_KINDS.get(_creation_meta(out).name) if _creation_meta else None
-        if kind:
-            raise RuntimeError(f"out: a view created {kind} cannot be modified in place by "
-                               f"an operation autograd records (torch's rule for in-place "
-                               f"ops); pass a clone, or the base tensor")
-
-
-def _accumulate_autograd(keyset, out, gamma, mu, c, c_value, *conv):
-    below = keyset & _C._after_autograd_keyset
-    if _C.is_grad_enabled() and _C._any_requires_grad(out, gamma, mu, c):
-        _check_inplace(out)
-        _Accumulate.apply(out, gamma, mu, c, _Conv(below, c_value, conv))
+def _add_term(out, S, c, c_value, G):
+    """``out[b, c0, p, (c0,) q] += c[c0] * S[b, g(c0), p, q]`` as one in-place torch op on
+    a view of ``out``, with ``S`` and ``c`` broadcast (no temporary of out's size)."""
+    d = out.diagonal(0, 1, 4).movedim(-1, 1) if out.dim() == 7 else out  # (B, Co, Ho, ..)
+    Co = d.shape[1]
+    if G == 1 or G == Co:  # S's group axis broadcasts as it is: out itself, when diagonal
+        S_b, c_shape = S, (1, Co, 1, 1, 1, 1)
     else:
-        with _C._AutoDispatchBelowAutograd():
-            _accumulate_op.redispatch(below, out, gamma, mu, c, c_value, *conv)
+        d, S_b, c_shape = d.unflatten(1, (G, Co // G)), S.unsqueeze(2), (1, G, Co // G,
+                                                                          1, 1, 1, 1)
+    # c in S's dtype, with dimensions: torch's type promotion then runs the add, and its
+    # backward's products with the gradient of a 16-bit out, in S's dtype (a number, or
+    # a 0-d tensor, would leave them in out's dtype).
+    if c is None:
+        c = S.new_full((1,) * d.dim(), c_value)
+    else:
+        c = c.to(S.dtype).reshape(c_shape if c.dim() else (1,) * d.dim())
+    d.addcmul_(S_b, c)
 
 
-_lib.impl("accumulate_", _accumulate_kernel, "CompositeExplicitAutograd")
-torch.library.register_fake("convcov::accumulate_", _accumulate_fake, lib=_lib)
-_lib.impl("accumulate_", _accumulate_inplace_or_view, "ADInplaceOrView", with_keyset=True)
-_lib.impl("accumulate_", _accumulate_autograd, "Autograd", with_keyset=True)
+def _wide(out, gamma, mu, c, c_value) -> bool:
+    """Whether the fused kernel would sum in float64 (as ``normalise`` decides): a float64
+    array, or a number c that float32 would turn into Inf or lose digits of."""
+    if _acc(out, gamma, mu, c) == torch.float64:
+        return True
+    a = abs(c_value)
+    return _frontend._F32_MAX < a < float("inf") or 0 < a < _frontend._F32_TINY
+
+
+def _fits(out, gamma, mu, c, k, s, p, d, G) -> bool:
+    """Whether a traced call's shapes, dtypes and devices are those the autograd path's
+    torch code expects (the checks of ``normalise`` that read no data, on out and c)."""
+    B, Ci, H, W = mu.shape
+    Ho, Wo = _out_size(H, k[0], s[0], p[0], d[0]), _out_size(W, k[1], s[1], p[1], d[1])
+    Co = out.shape[1]
+    want = (B, Co, Ho, Wo, Co, Ho, Wo) if out.dim() == 7 else (B, Co, Ho, Wo, Ho, Wo)
+    tensors = [t for t in (out, gamma, mu, c) if isinstance(t, torch.Tensor)]
+    return (Ho >= 1 and Wo >= 1 and tuple(out.shape) == want and Co % G == 0
+            and Ci % G == 0 and (c is None or tuple(c.shape) in ((), (Co,)))
+            and all(t.dtype in _FLOATS and t.device == mu.device for t in tensors))
 
 
 # ---------------------------------------------------------------------------------------
@@ -330,8 +275,9 @@ def _check_routed(out, gamma, mu, c):
 
 
 def accumulate(out, gamma, mu, c, kernel_size, stride, padding, dilation, groups, backend):
-    """``convcov.accumulate`` as ``convcov::accumulate_``; returns ``out``."""
-    if _eager(mu):  # the direct path's checks and errors, before anything else
+    """``convcov.accumulate`` on routed torch tensors; returns ``out``."""
+    eager = _eager(mu)
+    if eager:  # the direct path's checks and errors, before anything else
         problem = _frontend.normalise(out, gamma, mu, c, kernel_size, stride, padding,
                                       dilation, groups)
         _registry.select(backend, problem.device[0], _frontend._dtypes(problem))
@@ -340,8 +286,27 @@ def accumulate(out, gamma, mu, c, kernel_size, stride, padding, dilation, groups
     k, s, p, d, G = _params(kernel_size, stride, padding, dilation, groups,
                             out.shape[1], mu.shape[1])
     c, c_value = (c, 0.0) if isinstance(c, torch.Tensor) else (None, _frontend.c_float(c))
-    torch.ops.convcov.accumulate_(out, gamma, mu, c, c_value, k, s, p, d, G,
-                                  _backend_arg(backend))
+    backend = _backend_arg(backend)
+    records = torch.is_grad_enabled() and (
+        out.requires_grad or mu.requires_grad or (gamma is not None and gamma.requires_grad)
+        or (c is not None and c.requires_grad))
+    # A traced call that does not fit goes to the kernel, whose checks raise convcov's
+    # error when the graph runs, before anything is written (the torch code below would
+    # fail while tracing, with torch's error).
+    if records and (eager or _fits(out, gamma, mu, c, k, s, p, d, G)):
+        if out.requires_grad and out.is_leaf:
+            # torch refuses it too, but names the view the op below works on, and only
+            # after S is computed. (A view made in no_grad mode of a tensor that requires
+            # grad looks like such a leaf, and torch refuses it as well.)
+            raise RuntimeError("a leaf Variable that requires grad is being used in an "
+                               "in-place operation (out, or a view of a tensor that "
+                               "requires grad made in no_grad mode, which autograd takes "
+                               "for one).")
+        wide = problem.acc == "float64" if eager else _wide(out, gamma, mu, c, c_value)
+        S = torch.ops.convcov.patch_moment(gamma, mu, k, s, p, d, G, backend, wide)
+        _add_term(out, S, c, c_value, G)
+    else:
+        torch.ops.convcov.accumulate_(out, gamma, mu, c, c_value, k, s, p, d, G, backend)
     return out
 
 

@@ -6,8 +6,13 @@
 * gradients agree with autograd through the plain PyTorch expression
   (``convcov.torch_expr``) on random problems (hypothesis): layouts of ``out`` and
   ``gamma``, ``gamma=None``, ``c`` as number, 0-d and 1-d, every conv parameter;
-* ``accumulate`` is an in-place op as torch's own are: version counter, leaf and view
-  checks before anything is written, the old value's history, views of larger tensors;
+* a call autograd records is ``patch_moment`` then torch's own in-place op on ``out``'s
+  channel-diagonal: it writes what the fused kernel writes, rounds once into a 16-bit,
+  float32 or float64 ``out``, sums in float64 when the fused kernel does, and allocates
+  ``S``, nothing of out's size;
+* ``accumulate`` is an in-place op as torch's own are: version counter, torch's refusals
+  (leaves, views it does not let in-place ops modify) before anything is written, the old
+  value's history, views of larger tensors;
 * ``torch.compile(fullgraph=True)`` of a small model, ``torch.library.opcheck`` of the
   operators, CUDA graph capture (on a GPU);
 * the backward's front end (``convcov._frontend.patch_moment_vjp``): checks and choice of
@@ -241,30 +246,154 @@ def test_patch_moment_gradients_match_plain_pytorch():
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
 
-@pytest.mark.parametrize("full_out", [False, True], ids=["diag_out", "full_out"])
-def test_forward_that_keeps_S_equals_the_fused_forward(vjp_backend, full_out):
-    """With c requiring grad the forward is patch_moment, then the 1x1 problem whose
-    "gamma" is S (docs/autograd.md): out must be what the fused call writes. Backends that
-    accumulate float32 inputs in float32 (all but the float64 reference) sum S in the
-    same order both ways, so the two agree bit for bit."""
-    name, device = vjp_backend
-    torch.manual_seed(3)
-    B, Ci, Co, G, H, k = 2, 4, 6, 2, 6, 3
-    pad = 1 if full_out else 0  # with padding: terms in it are absent on both paths
+def _problem(device, full_out, dtype=torch.float32, Co=6, G=2, seed=3):
+    """(out, gamma, mu, c, kernel, keywords): random inputs of one grouped problem, padding
+    1 with a full-layout out (terms in the padding are absent on every path)."""
+    g = torch.Generator().manual_seed(seed)
+    B, Ci, H, k = 2, 4, 6, 3
+    pad = 1 if full_out else 0
     Ho = H + 2 * pad - k + 1
     shape = (B, Co, Ho, Ho, Co, Ho, Ho) if full_out else (B, Co, Ho, Ho, Ho, Ho)
-    out = torch.rand(shape, device=device)
-    gamma = torch.rand(B, Ci, H, H, H, H, device=device) * 0.1
-    mu = torch.randn(B, Ci, H, H, device=device)
-    c = torch.rand(Co, device=device)
-    kw = dict(padding=pad, groups=G, backend=name)
-    fused = convcov.accumulate(out.clone(), gamma, mu, c, k, **kw)
-    kept = convcov.accumulate(out.clone(), gamma, mu, c.clone().requires_grad_(), k, **kw)
-    assert kept.grad_fn is not None  # the autograd path ran
-    if name == "numpy":  # float64 inside: S is rounded to float32 once more on this path
-        torch.testing.assert_close(kept.detach(), fused, rtol=2e-6, atol=1e-6)
-    else:
-        assert torch.equal(kept.detach(), fused)
+    out = torch.rand(shape, generator=g).to(device, dtype)
+    gamma = (torch.rand(B, Ci, H, H, H, H, generator=g) * 0.1).to(device)
+    mu = torch.randn(B, Ci, H, H, generator=g).to(device)
+    c = torch.rand(Co, generator=g).to(device)
+    return out, gamma, mu, c, k, dict(padding=pad, groups=G)
+
+
+def _off_diagonal(out):
+    """The entries of a full-layout out that accumulate never touches."""
+    keep = torch.ones(out.shape, dtype=torch.bool, device=out.device)
+    keep.diagonal(0, 1, 4).fill_(False)
+    return out[keep]
+
+
+@pytest.mark.parametrize("full_out", [False, True], ids=["diag_out", "full_out"])
+@pytest.mark.parametrize("G, Co", [(1, 6), (2, 6), (4, 4)], ids=["G1", "G2", "depthwise"])
+def test_recorded_forward_equals_the_fused_forward(vjp_backend, full_out, G, Co):
+    """A call autograd records is S, then torch's in-place op adds c * S into out's
+    diagonal (docs/autograd.md): out is what the fused kernel writes, up to the rounding of
+    that one add (an FMA or not), and bit-identical off the channel-diagonal."""
+    name, device = vjp_backend
+    out, gamma, mu, c, k, kw = _problem(device, full_out, Co=Co, G=G)
+    fused = convcov.accumulate(out.clone(), gamma, mu, c, k, backend=name, **kw)
+    for args in ((gamma, mu, c.clone().requires_grad_()),
+                 (gamma.clone().requires_grad_(), mu, c),
+                 (gamma, mu.clone().requires_grad_(), 0.7)):
+        recorded = convcov.accumulate(out.clone(), *args, k, backend=name, **kw)
+        assert recorded.grad_fn is not None  # the autograd path ran
+        want = fused if isinstance(args[2], torch.Tensor) else convcov.accumulate(
+            out.clone(), gamma, mu, 0.7, k, backend=name, **kw)
+        torch.testing.assert_close(recorded.detach(), want, rtol=2e-6, atol=1e-6)
+        if full_out:
+            assert torch.equal(_off_diagonal(recorded.detach()), _off_diagonal(out))
+
+
+def _numba_or_skip():
+    reason = _registry.get("numba").unavailable_reason()
+    if reason:
+        pytest.skip(f"numba: {reason}")
+    return "numba"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, F64])
+@pytest.mark.parametrize("c_form", ["number", "1d"])
+def test_recorded_add_rounds_once_into_out(dtype, c_form):
+    """torch's in-place op on a float16/bfloat16/float32/float64 out with S in the dtype the
+    sums run in (float32 here; float64 for a float64 out) computes out + c * S in S's dtype
+    and rounds once into out's dtype: each entry is that value rounded (an FMA: from the
+    exact sum) or the same with c * S rounded first (no FMA); out keeps its dtype."""
+    backend = _numba_or_skip()  # (bfloat16 runs on numba, not on the numpy reference)
+    out, gamma, mu, c, k, kw = _problem("cpu", full_out=False, dtype=dtype)
+    mu = mu.to(F64) if dtype == F64 else mu
+    c = 0.7 if c_form == "number" else c
+    S = convcov.patch_moment(gamma, mu, k, backend=backend, **kw)
+    assert S.dtype == (F64 if dtype == F64 else torch.float32)
+    mu_leaf = mu.clone().requires_grad_()
+    got = convcov.accumulate(out.clone(), gamma, mu_leaf, c, k, backend=backend, **kw)
+    assert got.dtype == dtype and got.grad_fn is not None
+    # The backward: the gradient of a sum over a 16-bit out is exact (ones), the rest is
+    # summed in float32 at least.
+    grad_mu, = torch.autograd.grad(got.sum(), mu_leaf)
+    mu64 = mu.double().requires_grad_()
+    c64 = c if c_form == "number" else c.double()
+    want, = torch.autograd.grad(convcov.accumulate(
+        out.to(F64, copy=True), gamma.double(), mu64, c64, k, backend="numpy",
+        **kw).sum(), mu64)
+    assert grad_mu.dtype == mu.dtype
+    torch.testing.assert_close(grad_mu.double(), want, rtol=1e-5, atol=1e-5)
+    Co, G = out.shape[1], kw["groups"]
+    c_all = torch.full((Co,), 0.7) if c_form == "number" else c  # (a number: in S's dtype)
+    cg = c_all.to(S.dtype).reshape(1, G, Co // G, 1, 1, 1, 1)
+    got = got.detach().unflatten(1, (G, Co // G))
+    if dtype == F64:  # no wider sum to compare with here: close to the fused kernel's
+        fused = convcov.accumulate(out.clone(), gamma, mu, c, k, backend=backend, **kw)
+        torch.testing.assert_close(got, fused.unflatten(1, (G, Co // G)), rtol=1e-13,
+                                   atol=1e-13)
+        return
+    o = out.unflatten(1, (G, Co // G)).to(S.dtype)
+    unfused = (o + S.unsqueeze(2) * cg).to(dtype)
+    # an FMA: out + c * S rounded once to float32 (float64 holds the product exactly)
+    fma = (o.double() + S.unsqueeze(2).double() * cg.double()).float().to(dtype)
+    assert ((got == fma) | (got == unfused)).all()
+
+
+def test_recorded_sums_in_float64_when_the_fused_kernel_does():
+    """A float64 out or c makes the fused kernel sum in float64 though gamma and mu are
+    float32; the recorded call then computes S in float64 too, not in float32."""
+    out, gamma, mu, c, k, kw = _problem("cpu", full_out=False, dtype=F64)
+    for o, c_arg in ((out, c), (out.float(), c.double())):
+        fused = convcov.accumulate(o.clone(), gamma, mu, c_arg, k, backend="numpy", **kw)
+        got = convcov.accumulate(o.clone(), gamma, mu.clone().requires_grad_(), c_arg, k,
+                                 backend="numpy", **kw)
+        assert got.dtype == o.dtype
+        if o.dtype == F64:
+            torch.testing.assert_close(got.detach(), fused, rtol=1e-13, atol=1e-13)
+        else:  # both: float64 sums, rounded once into float32
+            assert torch.equal(got.detach(), fused)
+
+
+@pytest.mark.parametrize("full_out", [False, True], ids=["diag_out", "full_out"])
+def test_recorded_forward_allocates_S_and_nothing_of_outs_size(full_out):
+    """The recorded forward holds S (Co / G times smaller than out's diagonal) and torch
+    allocates nothing larger: S and c broadcast into the in-place op (float32 out on the
+    host; docs/autograd.md says what torch's host kernels do for a 16-bit out)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    out, gamma, mu, c, k, kw = _problem("cpu", full_out, Co=16, G=2)
+    mu.requires_grad_(True)
+    S_bytes = convcov.patch_moment(gamma, mu.detach(), k, backend="numpy", **kw).nbytes
+    convcov.accumulate(out.clone(), gamma, mu, c, k, backend="numpy", **kw)  # warm
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        convcov.accumulate(out, gamma, mu, c, k, backend="numpy", **kw)
+    largest = max(e.cpu_memory_usage for e in prof.events())
+    diagonal_bytes = out.diagonal(0, 1, 4).nbytes if full_out else out.nbytes
+    assert largest <= S_bytes <= diagonal_bytes // 8
+
+
+@pytest.mark.gpu
+def test_recorded_forward_on_the_gpu_allocates_no_out_sized_temporary(vjp_backend):
+    """On CUDA torch's in-place op converts as it loads and stores: a float16 out with
+    float32 S needs no float32 copy of out (unlike torch's host kernels). The budget holds
+    S (out.nbytes / 32 here) and the backend's scratch for it, not a copy of out (twice
+    out.nbytes)."""
+    name, device = vjp_backend
+    if device != "cuda":
+        pytest.skip("a CUDA backend's test")
+    g = torch.Generator().manual_seed(5)
+    B, Ci, Co, H = 2, 4, 64, 8
+    out = torch.zeros(B, Co, H, H, H, H, dtype=torch.float16, device=device)
+    gamma = torch.rand(B, Ci, H, H, H, H, generator=g).to(device)
+    mu = torch.randn(B, Ci, H, H, generator=g).to(device).requires_grad_(True)
+    c = torch.rand(Co, generator=g).to(device)
+    convcov.accumulate(out.clone(), gamma, mu, c, 3, padding=1, backend=name)  # warm
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    got = convcov.accumulate(out, gamma, mu, c, 3, padding=1, backend=name)
+    torch.cuda.synchronize()
+    assert got.grad_fn is not None
+    assert torch.cuda.max_memory_allocated() - before < out.nbytes // 4
 
 
 def test_float32_gradients_close_to_float64():
@@ -289,7 +418,7 @@ def test_out_history_and_version_counter():
     out = y * 3  # out has a history: its old value's gradient must reach y
     version = out._version
     convcov.accumulate(out, case.gamma, case.mu, case.c, case.k, backend="numpy")
-    assert out._version > version
+    assert out._version == version + 1  # one in-place write
     assert type(out.grad_fn).__name__ != "MulBackward0"  # the history was rebased
     gy, gmu = torch.autograd.grad((out * case.weights).sum(), (y, case.mu))
     torch.testing.assert_close(gy, 3 * case.weights)
@@ -313,24 +442,33 @@ def test_version_counter_without_grad():
         z.sum().backward()
 
 
-def test_leaf_that_requires_grad_is_refused_before_writing():
+def test_refused_in_place_targets_are_left_unchanged():
+    """torch's rules for the target of an in-place op, applied before anything is written
+    (version counters included): a leaf that requires grad, a view of one, and the views
+    torch does not let an in-place op modify, made by unbind or split (from a tensor
+    autograd records, or from a plain one) or under no_grad. torch's messages."""
     case = Case(**TINY)
+    args = (case.gamma, case.mu, case.c, case.k)
     leaf = torch.zeros(case.out_shape, dtype=F64, requires_grad=True)
-    with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
-        convcov.accumulate(leaf, case.gamma, case.mu, case.c, case.k, backend="numpy")
-    assert leaf.detach().abs().sum() == 0 and leaf._version == 0
-    with pytest.raises(RuntimeError, match="view of a leaf Variable"):
-        convcov.accumulate(leaf[:], case.gamma, case.mu, case.c, case.k, backend="numpy")
-    assert leaf.detach().abs().sum() == 0
+    with pytest.raises(RuntimeError, match="^a leaf Variable that requires grad is being "
+                                           "used in an in-place operation"):
+        convcov.accumulate(leaf, *args, backend="numpy")
+    with pytest.raises(RuntimeError, match="a view of a leaf Variable that requires grad"):
+        convcov.accumulate(leaf[:], *args, backend="numpy")
+    assert not leaf.detach().any() and leaf._version == 0
+    recorded = torch.zeros((2, *case.out_shape), dtype=F64, requires_grad=True) * 1
     base = torch.zeros((2, *case.out_shape), dtype=F64)
     with torch.no_grad():
-        no_grad_view = base[0]
-    for view in (base.unbind(0)[0], no_grad_view):  # views torch refuses to modify in place
-        with pytest.raises(RuntimeError, match="out: a view created"):
-            convcov.accumulate(view, case.gamma, case.mu, case.c, case.k, backend="numpy")
-    assert base.abs().sum() == 0
+        no_grad_views = (base[0], recorded[0])
+    views = (recorded.unbind(0)[0], recorded.split(1)[0].squeeze(0), base.unbind(0)[0],
+             base.split(1)[0][0], *no_grad_views)
+    for view in views:
+        with pytest.raises(RuntimeError, match="modified inplace|in an in-place operation"):
+            convcov.accumulate(view, *args, backend="numpy")
+    for t in (recorded, base):
+        assert not t.detach().any() and t._version == 0
     with torch.no_grad():  # allowed there, as for torch's own in-place ops
-        convcov.accumulate(leaf, case.gamma, case.mu, case.c, case.k, backend="numpy")
+        convcov.accumulate(leaf, *args, backend="numpy")
     assert leaf.detach().abs().sum() > 0 and leaf.grad_fn is None
 
 
@@ -434,10 +572,13 @@ def test_torch_compile_fullgraph_forward_and_backward():
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
-def test_torch_compile_mutates_a_graph_input():
-    """``out`` passed into the compiled function, with a history: the mutation and the
-    gradient of its old value survive compilation (AOTAutograd, no code generation)."""
-    case = Case(**GEOMETRIES[0], gamma_form="diag")
+@pytest.mark.parametrize("full_out", [False, True], ids=["diag_out", "full_out"])
+@pytest.mark.parametrize("c_form", ["number", "1d"])
+def test_torch_compile_mutates_a_graph_input(full_out, c_form):
+    """``out`` passed into the compiled function, with a history: the mutation (torch's
+    in-place op on out's diagonal view) and the gradient of its old value survive
+    compilation (AOTAutograd, no code generation)."""
+    case = Case(**GEOMETRIES[0], full_out=full_out, gamma_form="diag", c_form=c_form)
 
     def f(out, gamma, mu, c):
         convcov.accumulate(out, gamma, mu, c, case.k, backend="numpy", **case.conv)
@@ -456,8 +597,9 @@ def test_torch_compile_mutates_a_graph_input():
 
 def test_errors_under_the_compiler():
     """docs/autograd.md, "Errors under the compiler": a bad tensor raises our ShapeError
-    when compiled; a bad non-tensor c raises our TypeError without fullgraph, and with
-    it Dynamo's own error, which carries our message. out is unchanged each time."""
+    when compiled, whether autograd records the call or not; a bad non-tensor c raises
+    our TypeError without fullgraph, and with it Dynamo's own error, which carries our
+    message. out is unchanged each time."""
     case = Case(**GEOMETRIES[0], gamma_form="diag")
     gamma, mu = case.gamma.detach(), case.mu.detach()
     out = torch.zeros(case.out_shape, dtype=F64)
@@ -467,9 +609,11 @@ def test_errors_under_the_compiler():
 
     # (Which check names the str first depends on whether the operators are loaded yet.)
     message = r"c: expected .*got (builtins\.str|'bad')"
-    torch._dynamo.reset()
-    with pytest.raises(ShapeError, match=r"c: expected .* got shape \(1, 1\)"):
-        torch.compile(f, fullgraph=True, backend="eager")(out, torch.ones(1, 1, dtype=F64))
+    for bad_c, backend in ((torch.ones(1, 1, dtype=F64), "eager"),
+                           (torch.ones(1, 1, dtype=F64, requires_grad=True), "aot_eager")):
+        torch._dynamo.reset()
+        with pytest.raises(ShapeError, match=r"c: expected .* got shape \(1, 1\)"):
+            torch.compile(f, fullgraph=True, backend=backend)(out, bad_c)
     torch._dynamo.reset()
     with pytest.raises(TypeError, match=message):
         torch.compile(f, backend="eager")(out, "bad")
@@ -527,6 +671,7 @@ def test_opcheck(vjp_backend):
     for op, args in [
         (ops.patch_moment.default, (case.gamma, case.mu, *conv)),
         (ops.patch_moment.default, (None, case.mu, *conv)),
+        (ops.patch_moment.default, (case.gamma.float(), case.mu.float(), *conv, True)),
         (ops.accumulate_.default, (out.clone(), case.gamma, case.mu, case.c, 0.0, *conv)),
         (ops.accumulate_.default, (out[:, :, :, :, 0].clone(), gamma_diag, case.mu, None,
                                    0.5, *conv)),
