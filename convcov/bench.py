@@ -1,14 +1,24 @@
 """``convcov bench``: the one place convcov's speed is measured (SPEC section 5).
 
-For each reference workload and each available backend on the device: check the result
-against the numpy reference (on the first batch element, in float64), then time whole
+Owns the workloads (the ``reference`` suite, and the ``layers`` suite of real networks'
+conv layers: :data:`SUITES`), the memory floor of each (:class:`Workload`), the timing,
+the run's rows, its summary and their tables.
+
+For each workload of the chosen suite and each available backend on the device: check
+the result against the numpy reference (on the first batch element, in float64; a
+result past ``TOLERANCE`` is a failed row, never timed), then time whole
 ``convcov.accumulate`` calls (dispatch included) and take the median. On a GPU the rows'
 calls are interleaved in rounds (``_rows``), so that no row alone catches a slow stretch
-of the device. The floor of one call is ``bytes / copy bandwidth`` with bytes = |gamma
-channel-diagonal| + |mu| + 2 |out channel-diagonal| + |c| and the bandwidth of a large
-copy (bytes read + written) measured in the same run; ``fraction`` = floor / time (1.0 =
-at the memory floor). The same run times the plain PyTorch expression
-(:mod:`convcov.torch_expr`) eagerly and under ``torch.compile`` on the same arrays.
+of the device. The floor of one call is ``bytes / copy bandwidth``, with bytes = the
+32-byte sectors of gamma's and of mu's contiguous layouts that hold an entry the
+operation reads (:func:`read_pairs`, :func:`sectors`: a strided layer reads less than
+all of them) + 2 |out channel-diagonal| + |c|, and the bandwidth of a large copy (bytes
+read + written) measured in the same run; ``fraction`` = floor / time (1.0 = at the
+memory floor). The same run times the plain PyTorch expression
+(:mod:`convcov.torch_expr`) eagerly and under ``torch.compile`` (compiled afresh for each
+workload's shape) on the same arrays, and gives each backend's speed-up over the faster
+of the two; the summary holds, per suite and implementation, the geometric mean and the
+worst over the suite's workloads.
 
 With ``grad=True`` (``convcov bench --grad``) it also times forward + backward through
 torch autograd (gradients of gamma, mu and c) for every backend with a backward and for
@@ -18,19 +28,22 @@ write of gamma's channel-diagonal gradient and of mu's).
 
 Host timings use ``time.perf_counter``; CUDA timings use CUDA events around each call,
 with the queue drained before it, so a small call's time includes its Python dispatch.
-Inputs are small positive numbers so that hundreds of repeated accumulations stay finite
-even in float16.
+On the GPU every array is a torch CUDA tensor (bfloat16 layers included); on the host a
+numpy array, so the host runs the bfloat16 layers in float32. Inputs are small positive
+numbers so that hundreds of repeated accumulations stay finite even in float16.
 """
 
 from __future__ import annotations
 
 import datetime
+import functools
 import json
+import math
 import os
 import platform
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import InitVar, asdict, dataclass
 
 import numpy as np
 
@@ -38,45 +51,218 @@ import convcov
 from convcov import _frontend, _registry
 
 
+#: Bytes of one entry, by dtype name (bfloat16 has no numpy dtype).
+ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+#: The unit of a memory access the floor counts: a 32-byte sector, the smallest piece of
+#: memory a GPU reads or writes. (A CPU moves 64-byte lines, so on the host the floor
+#: can be lower than what must move: a fraction there errs low, never high.)
+SECTOR = 32
+
+
+def read_pairs(n, n_out, k, s, p, d):
+    """Along one axis, the input pairs ``(x0, x1)`` (an ``n x n`` boolean array) that the
+    operation reads together: ``x0 = o0*s + i*d - p`` and ``x1 = o1*s + i*d - p`` for one
+    kernel offset ``i`` and outputs ``o0, o1 < n_out``, both inside ``[0, n)``. Its
+    diagonal is the positions read at all. gamma's entries read are the pairs of both
+    axes: ``(x0, x1)`` read along H and ``(y0, y1)`` along W (the offsets ``ii`` and
+    ``ji`` are independent). With stride 1 and dilation 1 the pairs are a band
+    ``|x1 - x0| <= n_out - 1``, all pairs when the padding keeps ``n_out = n``; with
+    stride s only pairs ``x1 - x0 = s (o1 - o0)``, a multiple of s, are read."""
+    M = np.zeros((n, n), bool)
+    for i in range(k):
+        x = np.arange(n_out) * s + i * d - p
+        x = x[(x >= 0) & (x < n)]
+        M[np.ix_(x, x)] = True
+    return M
+
+
+def sectors(R, N, blocks, itemsize):
+    """The number of SECTOR-byte sectors that hold at least one entry read in a contiguous
+    array of ``blocks`` consecutive blocks of ``N`` entries each, every block read at the
+    sorted in-block flat indices ``R`` (the array starting on a sector boundary)."""
+    R = np.asarray(R, np.int64)
+    if blocks == 0 or R.size == 0:
+        return 0
+    block_bytes = N * itemsize
+    if block_bytes % SECTOR == 0:  # every block starts on a sector boundary: none shared
+        sec = R * itemsize // SECTOR
+        return blocks * (1 + int(np.count_nonzero(np.diff(sec))))
+    if block_bytes < SECTOR or blocks * R.size <= 2**20:  # small: every entry at once
+        sec = (np.arange(blocks, dtype=np.int64)[:, None] * N + R).ravel() * itemsize // SECTOR
+        return 1 + int(np.count_nonzero(np.diff(sec)))
+    # Block b starts ``o_b = (b * block_bytes) % SECTOR`` bytes into a sector: its sectors
+    # are those of R shifted by o_b, one of a few patterns; a block (at least a sector
+    # long) shares a sector only with its neighbours, at most the one where they meet.
+    start = np.arange(blocks, dtype=np.int64) * block_bytes
+    o, base = start % SECTOR, start // SECTOR
+    count = np.zeros(SECTOR, np.int64)
+    first, last = np.zeros(SECTOR, np.int64), np.zeros(SECTOR, np.int64)
+    for r in np.unique(o):
+        sec = (r + R * itemsize) // SECTOR
+        count[r], first[r], last[r] = 1 + np.count_nonzero(np.diff(sec)), sec[0], sec[-1]
+    shared = base[:-1] + last[o[:-1]] == base[1:] + first[o[1:]]
+    return int(count[o].sum() - np.count_nonzero(shared))
+
+
 @dataclass(frozen=True)
 class Workload:
+    """One conv layer to time (SPEC section 1's names). ``gamma``: "none", "diag" or
+    "full"; ``out``: "diag" or "full". ``layout`` (reading recorded runs, which had one
+    layout for both) sets gamma's and out's."""
+
     name: str
     B: int
     Ci: int
     Co: int
-    H: int
-    k: int
-    layout: str  # "full" or "diag", for out and gamma alike
-    dtype: str
-    device: str  # where the workload is run: "cpu", "cuda" or "both"
+    H: int  # = W
+    k: int  # = kh = kw
+    gamma: str = "diag"
+    out: str = "diag"
+    dtype: str = "float32"
+    device: str = "both"  # where the workload is run: "cpu", "cuda" or "both"
+    stride: int = 1
+    padding: int = 0
+    dilation: int = 1
+    groups: int = 1
+    suite: str = "reference"
+    layout: InitVar[str | None] = None
+
+    def __post_init__(self, layout):
+        if layout is not None:
+            object.__setattr__(self, "gamma", layout)
+            object.__setattr__(self, "out", layout)
+
+    @property
+    def W(self):
+        return self.H
 
     @property
     def Ho(self):
-        return self.H - self.k + 1
+        """As torch.nn.functional.conv2d."""
+        return (self.H + 2 * self.padding - self.dilation * (self.k - 1) - 1) // self.stride + 1
+
+    @property
+    def Wo(self):
+        return self.Ho
+
+    @property
+    def conv(self) -> dict:
+        """The keyword arguments of convcov.accumulate for this layer."""
+        return dict(stride=self.stride, padding=self.padding, dilation=self.dilation,
+                    groups=self.groups)
+
+    @property
+    def itemsize(self) -> int:
+        return ITEMSIZE[self.dtype]
+
+    def _pairs(self):
+        p = (self.H, self.Ho, self.k, self.stride, self.padding, self.dilation)
+        return read_pairs(*p), read_pairs(*p)  # square: the W axis is the H axis
+
+    def mu_bytes(self) -> int:
+        """mu's sectors holding a position some window reads."""
+        Mx, My = self._pairs()
+        R = np.flatnonzero(np.diag(Mx)[:, None] & np.diag(My)[None, :])
+        return SECTOR * sectors(R, self.H * self.W, self.B * self.Ci, self.itemsize)
+
+    def gamma_bytes(self) -> int:
+        """gamma's sectors holding an entry of its channel-diagonal that is read:
+        ``gamma[b, ci, x0, y0, (ci,) x1, y1]`` for the pairs of :func:`read_pairs`. Each
+        ``(x0, y0)`` row of the ``(x1, y1)`` plane is a contiguous run of the layout, in
+        both layouts, so the in-block indices of one block are counted with numpy on the
+        read pattern of one plane: per (b, ci) in the diagonal layout, per b in the full
+        one (there the rows of channel ci sit at ci*(H*W) inside the row of (ci, x0, y0))."""
+        if self.gamma == "none":
+            return 0
+        Mx, My = self._pairs()
+        P = self.H * self.W
+        plane = (Mx[:, None, :, None] & My[None, :, None, :]).reshape(P, P)  # [p0, p1]
+        if self.gamma == "diag":
+            return SECTOR * sectors(np.flatnonzero(plane), P * P, self.B * self.Ci,
+                                    self.itemsize)
+        p0, p1 = np.nonzero(plane)  # row-major: sorted by p0, then p1
+        row = p0.astype(np.int64) * (self.Ci * P) + p1
+        R = (np.arange(self.Ci, dtype=np.int64)[:, None] * (self.Ci * P * P + P) + row).ravel()
+        return SECTOR * sectors(R, self.Ci * P * self.Ci * P, self.B, self.itemsize)
+
+    def out_bytes(self) -> int:
+        """out's channel-diagonal, read and written."""
+        return 2 * self.itemsize * self.B * self.Co * (self.Ho * self.Wo) ** 2
 
     def floor_bytes(self) -> int:
-        size = np.dtype(self.dtype).itemsize
-        gamma = self.B * self.Ci * self.H**4
-        mu = self.B * self.Ci * self.H**2
-        out = self.B * self.Co * self.Ho**4
-        return size * (gamma + mu + 2 * out + self.Co)
+        """SPEC section 5's bytes of one call: gamma's and mu's sectors read, out's
+        channel-diagonal twice, c."""
+        return _floor(self)[0]
 
     def fwd_bwd_floor_bytes(self) -> int:
         """The forward's bytes plus the backward's least: read the gradient of out's
-        channel-diagonal, write gamma's channel-diagonal gradient and mu's gradient."""
-        size = np.dtype(self.dtype).itemsize
-        extra = self.B * (self.Co * self.Ho**4 + self.Ci * self.H**4 + self.Ci * self.H**2)
-        return self.floor_bytes() + size * extra
+        channel-diagonal, write gamma's channel-diagonal gradient (where it is read) and
+        mu's gradient."""
+        return _floor(self)[1]
+
+
+@functools.lru_cache(maxsize=None)
+def _floor(w: Workload):
+    gamma, mu, out = w.gamma_bytes(), w.mu_bytes(), w.out_bytes()
+    fwd = gamma + mu + out + w.itemsize * w.Co
+    return fwd, fwd + out // 2 + gamma + mu
 
 
 #: SPEC section 5's reference workloads.
 WORKLOADS = [
-    Workload("toy", 2, 3, 3, 9, 3, "full", "float32", "both"),
-    Workload("cpu", 8, 16, 16, 16, 3, "full", "float32", "cpu"),
-    Workload("mid", 16, 32, 32, 16, 3, "full", "float32", "cuda"),
-    Workload("big-f32", 32, 64, 64, 32, 3, "diag", "float32", "cuda"),
-    Workload("big-f16", 32, 64, 64, 32, 3, "diag", "float16", "cuda"),
+    Workload("toy", 2, 3, 3, 9, 3, "full", "full", "float32", "both"),
+    Workload("cpu", 8, 16, 16, 16, 3, "full", "full", "float32", "cpu"),
+    Workload("mid", 16, 32, 32, 16, 3, "full", "full", "float32", "cuda"),
+    Workload("big-f32", 32, 64, 64, 32, 3, "diag", "diag", "float32", "cuda"),
+    Workload("big-f16", 32, 64, 64, 32, 3, "diag", "diag", "float16", "cuda"),
 ]
+
+
+def _layer(name, Ci, Co, H, k, s, p, gamma, dtype, d=1, groups=1, out="diag", half=False):
+    """A layer of the suite as two workloads of one name: batch 32 (16 for ``half``) on
+    the GPU, 2 on the host; bfloat16 runs as float32 on the host, whose arrays are
+    numpy's (no bfloat16)."""
+    kw = dict(k=k, stride=s, padding=p, dilation=d, groups=groups, gamma=gamma, out=out,
+              suite="layers")
+    return [Workload(name, 16 if half else 32, Ci, Co, H, dtype=dtype, device="cuda", **kw),
+            Workload(name, 2, Ci, Co, H, dtype="float32" if dtype == "bfloat16" else dtype,
+                     device="cpu", **kw)]
+
+
+#: SPEC section 5's ``layers`` suite: conv layers of ResNet-20, VGG-11 and MobileNetV2 on
+#: 32x32 inputs (name, Ci, Co, H, k, stride, padding, gamma, dtype, ...).
+LAYERS = [w for ws in (
+    _layer("r20-stem", 3, 16, 32, 3, 1, 1, "none", "float32"),
+    _layer("r20-16", 16, 16, 32, 3, 1, 1, "diag", "float32"),
+    _layer("r20-down", 16, 32, 32, 3, 2, 1, "diag", "float32"),
+    _layer("r20-short", 16, 32, 32, 1, 2, 0, "diag", "float32"),
+    _layer("r20-64full", 64, 64, 8, 3, 1, 1, "full", "float32", out="full"),
+    _layer("vgg-256", 128, 256, 16, 3, 1, 1, "diag", "float16", half=True),
+    _layer("mb-dw", 96, 96, 16, 3, 1, 1, "diag", "float16", groups=96),
+    _layer("mb-dw-s2", 144, 144, 16, 3, 2, 1, "diag", "bfloat16", groups=144),
+    _layer("mb-pw", 32, 192, 16, 1, 1, 0, "diag", "float16", half=True),
+    _layer("stem-k5", 3, 32, 32, 5, 1, 2, "none", "float32"),
+    _layer("dil2", 64, 64, 16, 3, 1, 2, "diag", "float32", d=2, half=True),
+    _layer("grp8", 64, 64, 16, 3, 1, 1, "diag", "bfloat16", groups=8, half=True),
+) for w in ws]
+
+#: The suites ``convcov bench --suite`` runs ("all": every one, in this order).
+SUITES = {"reference": WORKLOADS, "layers": LAYERS}
+
+
+def select(suite="reference", device="cpu", names=None) -> list[Workload]:
+    """The workloads of ``suite`` ("reference", "layers" or "all") that run on ``device``,
+    only those named in ``names`` when given; a ValueError for a name not in the suite."""
+    if suite not in (*SUITES, "all"):
+        raise ValueError(f"unknown suite {suite!r}; the suites are "
+                         f"{', '.join([*SUITES, 'all'])}")
+    pool = [w for s, ws in SUITES.items() if suite in (s, "all") for w in ws]
+    known = list(dict.fromkeys(w.name for w in pool))
+    unknown = [n for n in names or () if n not in known]
+    if unknown:
+        raise ValueError(f"unknown workload {', '.join(map(repr, unknown))} in suite "
+                         f"{suite!r}; its workloads are {', '.join(known)}")
+    return [w for w in pool if w.device in (device, "both") and (not names or w.name in names)]
 
 
 @dataclass
@@ -88,6 +274,10 @@ class Row:
     fraction: float  # floor / median
     rel_error: float | None  # ||got - ref|| / ||ref|| on batch element 0; None if unchecked
     calls: int
+    #: A backend's row: the faster torch baseline's median (eager or compiled, of the same
+    #: kind: forward, or forward + backward) over this row's. None for a baseline, or
+    #: where there is none.
+    speedup: float | None = None
 
 
 # --------------------------------------------------------------------------- arrays
@@ -217,30 +407,68 @@ class _Cuda:
 
 # --------------------------------------------------------------------------- running
 def _inputs(dev, w: Workload):
-    out_shape = ((w.B, w.Co, w.Ho, w.Ho, w.Co, w.Ho, w.Ho) if w.layout == "full"
-                 else (w.B, w.Co, w.Ho, w.Ho, w.Ho, w.Ho))
-    gamma_shape = ((w.B, w.Ci, w.H, w.H, w.Ci, w.H, w.H) if w.layout == "full"
-                   else (w.B, w.Ci, w.H, w.H, w.H, w.H))
-    return dict(out=dev.rand(out_shape, w.dtype, 1.0), gamma=dev.rand(gamma_shape, w.dtype, 0.01),
-                mu=dev.rand((w.B, w.Ci, w.H, w.H), w.dtype, 0.1), c=dev.rand((w.Co,), w.dtype, 1.0))
+    P, Q = (w.H, w.W), (w.Ho, w.Wo)
+    out_shape = ((w.B, w.Co, *Q, w.Co, *Q) if w.out == "full" else (w.B, w.Co, *Q, *Q))
+    gamma_shape = {"none": None, "full": (w.B, w.Ci, *P, w.Ci, *P),
+                   "diag": (w.B, w.Ci, *P, *P)}[w.gamma]
+    return dict(out=dev.rand(out_shape, w.dtype, 1.0),
+                gamma=None if gamma_shape is None else dev.rand(gamma_shape, w.dtype, 0.01),
+                mu=dev.rand((w.B, w.Ci, *P), w.dtype, 0.1), c=dev.rand((w.Co,), w.dtype, 1.0))
 
 
 def _first_batch(a):
-    return a[:1]
+    return None if a is None else a[:1]
 
 
-def _check(dev, w, a, run) -> float:
-    """Relative error of one call on batch element 0 against the float64 numpy reference."""
-    out = dev.clone(_first_batch(a["out"]))
-    args = [_first_batch(a["gamma"]), _first_batch(a["mu"]), a["c"]]
-    run(out, *args)
-    got = dev.to_host64(out)
-    ref = convcov.accumulate(dev.to_host64(_first_batch(a["out"])),
-                             *(dev.to_host64(x) for x in args), w.k, backend="numpy")
-    return float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+#: The largest relative error a checked row may have (by out's dtype): more, and the
+#: implementation is wrong, its row a failure rather than a timing.
+TOLERANCE = {"float16": 2e-2, "bfloat16": 2e-2, "float32": 1e-4, "float64": 1e-9}
+
+
+def _check(dev, w, a, run, whole=False) -> float:
+    """Relative error on batch element 0 against the float64 numpy reference, of one call
+    on batch element 0 (``whole``: on all of the batch, the shape the call is timed at);
+    a ValueError past ``TOLERANCE``."""
+    first = dict(a, out=_first_batch(a["out"]), gamma=_first_batch(a["gamma"]),
+                 mu=_first_batch(a["mu"]))
+    x = a if whole else first
+    out = dev.clone(x["out"])
+    run(out, x["gamma"], x["mu"], x["c"])
+    got = dev.to_host64(_first_batch(out))
+    ref = convcov.accumulate(*(None if first[k] is None else dev.to_host64(first[k])
+                               for k in ("out", "gamma", "mu", "c")),
+                             w.k, backend="numpy", **w.conv)
+    err = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+    if not err <= TOLERANCE[w.dtype]:  # (NaN too)
+        raise ValueError(f"wrong result: relative error {err:.1e} on batch element 0")
+    return err
+
+
+def _t(dev, x):
+    return None if x is None else dev.torch(x)
+
+
+def _expr_args(w):
+    """torch_expr.accumulate's arguments after (out, gamma, mu, c)."""
+    return (w.k, w.k, (w.stride,) * 2, (w.padding,) * 2, (w.dilation,) * 2, w.groups)
+
+
+def _fresh_compile():
+    """Forget every graph torch.compile holds: its caches live on the compiled function's
+    code object, whichever ``torch.compile`` wrapper made them, and past the recompile
+    limit (8 shapes by default) it would run the next shapes eagerly, unnoticed. Called
+    before each workload, so each is timed with the one graph compiled for its shape."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.compiler.reset()
 
 
 def _impls(dev, backends, with_torch):
+    """name -> impl(out, gamma, mu, c, w): the backends of the device (or those named),
+    then torch eager and a fresh ``torch.compile`` of the plain expression (one for the
+    workload at hand: ``run`` asks anew for each, after :func:`_fresh_compile`)."""
     impls = {}
     for row in convcov.backends():
         if backends and row.name not in backends:
@@ -248,20 +476,20 @@ def _impls(dev, backends, with_torch):
         b = _registry.get(row.name)
         if row.available and b.device == dev.name:
             impls[row.name] = (lambda name: lambda out, gamma, mu, c, w: convcov.accumulate(
-                out, gamma, mu, c, w.k, backend=name))(row.name)
+                out, gamma, mu, c, w.k, backend=name, **w.conv))(row.name)
     if with_torch:
         try:
-            import torch  # noqa: F401
+            import torch
 
             from convcov import torch_expr
         except ImportError:
             return impls
-        eager = lambda out, gamma, mu, c, w: torch_expr.accumulate(  # noqa: E731
-            dev.torch(out), dev.torch(gamma), dev.torch(mu), dev.torch(c), w.k, w.k)
-        impls["torch"] = eager
-        compiled = torch.compile(torch_expr.accumulate, dynamic=False)
+        impls["torch"] = lambda out, gamma, mu, c, w: torch_expr.accumulate(
+            _t(dev, out), _t(dev, gamma), _t(dev, mu), _t(dev, c), *_expr_args(w))
+        # fullgraph: a graph break is an error, not a silently half-eager timing
+        compiled = torch.compile(torch_expr.accumulate, dynamic=False, fullgraph=True)
         impls["torch.compile"] = lambda out, gamma, mu, c, w: compiled(
-            dev.torch(out), dev.torch(gamma), dev.torch(mu), dev.torch(c), w.k, w.k)
+            _t(dev, out), _t(dev, gamma), _t(dev, mu), _t(dev, c), *_expr_args(w))
     return impls
 
 
@@ -348,7 +576,8 @@ def _grouped_rows(dev, w, calls, *args):
 
 
 def _grad_impls(dev, backends, with_torch):
-    """Forward + backward through torch autograd: (out, leaves, G, w) -> gradients."""
+    """Forward + backward through torch autograd: (out, args, leaves, G, w) -> gradients,
+    ``args`` = (gamma or None, mu, c) and ``leaves`` those of them that are tensors."""
     try:
         import torch
 
@@ -360,36 +589,57 @@ def _grad_impls(dev, backends, with_torch):
         b = _registry.get(row.name)
         if (row.available and b.device == dev.name and (not backends or row.name in backends)
                 and _frontend.has_vjp(b)):
-            impls[f"{row.name} fwd+bwd"] = (lambda name: lambda out, leaves, G, w: (
-                torch.autograd.grad(convcov.accumulate(out, *leaves, w.k, backend=name),
-                                    leaves, G)))(row.name)
+            impls[f"{row.name} fwd+bwd"] = (lambda name: lambda out, args, leaves, G, w: (
+                torch.autograd.grad(convcov.accumulate(out, *args, w.k, backend=name,
+                                                       **w.conv), leaves, G)))(row.name)
     if with_torch:
-        compiled = torch.compile(torch_expr.accumulate, dynamic=False)
-        impls["torch.compile fwd+bwd"] = lambda out, leaves, G, w: torch.autograd.grad(
-            compiled(out, *leaves, w.k, w.k), leaves, G)
+        compiled = torch.compile(torch_expr.accumulate, dynamic=False, fullgraph=True)
+        impls["torch.compile fwd+bwd"] = lambda out, args, leaves, G, w: torch.autograd.grad(
+            compiled(out, *args, *_expr_args(w)), leaves, G)
     return impls
 
 
 def _time_grad(dev, w, sets, impls, bandwidth, repeat, budget_s, rounds, progress, task):
     """Rows "<impl> fwd+bwd": out is a fresh alias (detach) of the set's out each call, so
-    no call's graph chains onto the last; gamma, mu and c require grad."""
+    no call's graph chains onto the last; gamma (when there is one), mu and c require
+    grad."""
     floor_s = w.fwd_bwd_floor_bytes() / bandwidth
     G = dev.torch(dev.rand(sets[0]["out"].shape, w.dtype, 1.0))  # the incoming gradient
-    views = [dict(out=dev.torch(x["out"]), leaves=[dev.torch(x[k]).detach().requires_grad_()
-                                                   for k in ("gamma", "mu", "c")])
-             for x in sets]
+    views = []
+    for x in sets:
+        args = [None if x[k] is None else dev.torch(x[k]).detach().requires_grad_()
+                for k in ("gamma", "mu", "c")]
+        views.append(dict(out=dev.torch(x["out"]), args=args,
+                          leaves=[a for a in args if a is not None]))
     turn = [0]
 
     def grad_call(impl):
         def call():
             turn[0] = (turn[0] + 1) % len(views)
             v = views[turn[0]]
-            impl(v["out"].detach(), v["leaves"], G, w)
+            impl(v["out"].detach(), v["args"], v["leaves"], G, w)
 
         return call
 
     calls = {name: (grad_call(impl), None) for name, impl in impls.items()}
     return _grouped_rows(dev, w, calls, floor_s, repeat, budget_s, rounds, progress, task)
+
+
+def _speedups(rows):
+    """Set each backend row's ``speedup``: the faster torch baseline of the same kind
+    (forward, or forward + backward) over the row's median."""
+    def kind(name):
+        return name.endswith(" fwd+bwd")
+
+    best = {}
+    for r in rows:
+        if _baseline(r.impl) and r.calls and math.isfinite(r.median_us):
+            k = kind(r.impl)
+            best[k] = min(best.get(k, math.inf), r.median_us)
+    for r in rows:
+        if not _baseline(r.impl) and r.calls and kind(r.impl) in best:
+            r.speedup = best[kind(r.impl)] / r.median_us
+    return rows
 
 
 def _workload_rows(dev, w, impls, gimpls, bandwidth, repeat, budget_s, rounds, progress,
@@ -416,43 +666,99 @@ def _workload_rows(dev, w, impls, gimpls, bandwidth, repeat, budget_s, rounds, p
 
         return call
 
-    # torch.compile is not re-checked: checking would compile a second graph for
-    # the one-batch shape; it compiles the eager expression checked above.
-    calls = {name: (timed(impl), None if name == "torch.compile" else (
-        lambda impl=impl: _check(dev, w, a, lambda out, g, m, c: impl(out, g, m, c, w))))
+    # torch.compile is checked on the whole batch: a check on batch element 0 alone
+    # would compile (and check) a second graph, not the one timed.
+    calls = {name: (timed(impl), lambda impl=impl, whole=name == "torch.compile": _check(
+        dev, w, a, lambda out, g, m, c: impl(out, g, m, c, w), whole))
         for name, impl in impls.items()}
     rows = _grouped_rows(dev, w, calls, floor_s, repeat, budget_s, rounds, progress, task)
     if gimpls:
         rows += _time_grad(dev, w, sets, gimpls, bandwidth, repeat, budget_s, rounds,
                            progress, task)
-    return rows
+    return _speedups(rows)
 
 
 def run(device="cpu", workloads=None, backends=None, with_torch=True, repeat=200,
-        budget_s=3.0, progress=None, grad=False, rounds=None) -> dict:
-    """Measure; returns a JSON-ready dict (machine, date, bandwidth, rows). ``repeat`` and
-    ``budget_s`` bound one row's timed calls and seconds, spread over ``rounds``
+        budget_s=3.0, progress=None, grad=False, rounds=None, suite="reference") -> dict:
+    """Measure; returns a JSON-ready dict (machine, date, bandwidth, workloads, rows, and
+    the summary per suite: :func:`summary`). ``suite``: "reference" (SPEC section 5's
+    reference workloads), "layers" or "all"; ``workloads``: names within it. ``repeat``
+    and ``budget_s`` bound one row's timed calls and seconds, spread over ``rounds``
     interleaved rounds (``rounds=1``: one row after another; default: the device's)."""
+    chosen = select(suite, device, workloads)
     dev = _Cuda() if device == "cuda" else _Host()
     rounds = max(1, min(dev.rounds if rounds is None else rounds, repeat))
-    chosen = [w for w in WORKLOADS if w.device in (device, "both")
-              and (not workloads or w.name in workloads)]
     bandwidth = dev.copy_bandwidth()
-    impls = _impls(dev, backends, with_torch)
-    gimpls = _grad_impls(dev, backends, with_torch) if grad else {}
+    n_impls = len(_impls(dev, backends, with_torch))
+    n_gimpls = len(_grad_impls(dev, backends, with_torch)) if grad else 0
     rows = []
-    task = (progress.add_task("bench", total=len(chosen) * (len(impls) + len(gimpls)))
+    task = (progress.add_task("bench", total=len(chosen) * (n_impls + n_gimpls))
             if progress else None)
     for w in chosen:  # (each workload's arrays are freed when its function returns)
+        if with_torch:
+            _fresh_compile()
+        impls = _impls(dev, backends, with_torch)
+        gimpls = _grad_impls(dev, backends, with_torch) if grad else {}
         rows += _workload_rows(dev, w, impls, gimpls, bandwidth, repeat, budget_s, rounds,
                                progress, task)
-    return dict(
+    result = dict(
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         device=device, machine=dev.describe(), host=host_cpu(), convcov=convcov.__version__,
         versions=_versions(), copy_bandwidth_GBps=bandwidth / 1e9, rounds=rounds,
-        workloads=[asdict(w) for w in chosen], rows=[asdict(r) for r in rows],
+        suite=suite, workloads=[asdict(w) for w in chosen], rows=[asdict(r) for r in rows],
         not_measured=_not_measured(dev, backends),
     )
+    result["summary"] = summary(result)
+    return result
+
+
+def _geomean(xs):
+    return math.exp(statistics.fmean(math.log(x) for x in xs)) if xs else None
+
+
+def _base_impl(name):
+    return name.split(" (failed")[0]
+
+
+def suite_of(result: dict) -> dict:
+    """workload name -> its suite, from a run's workloads (runs recorded before there were
+    suites hold the reference workloads only)."""
+    return {w["name"]: w.get("suite", "reference") for w in result.get("workloads", [])}
+
+
+def summary(result: dict) -> dict:
+    """Per suite of the run, per implementation, over the suite's workloads in the run:
+    the geometric mean and the worst (least) fraction of the floor and, for a backend,
+    of its speed-up over the faster torch baseline, each worst with its workload; the
+    workloads on which it failed (left out of the means)."""
+    suites = suite_of(result)
+    out = {}
+    for s in dict.fromkeys(suites.values()):
+        names = [n for n, t in suites.items() if t == s]
+        impls = {}
+        for r in result["rows"]:
+            if r["workload"] not in names:
+                continue
+            e = impls.setdefault(_base_impl(r["impl"]), dict(fraction={}, speedup={},
+                                                             failed=[]))
+            if r["calls"] and math.isfinite(r["fraction"]):
+                e["fraction"][r["workload"]] = r["fraction"]
+                if r.get("speedup") is not None:
+                    e["speedup"][r["workload"]] = r["speedup"]
+            else:
+                e["failed"].append(r["workload"])
+        stats = {}
+        for impl, e in impls.items():
+            st = dict(measured=len(e["fraction"]), failed=e["failed"])
+            for key in ("fraction", "speedup"):
+                vals = e[key]
+                if vals:
+                    worst = min(vals, key=vals.get)
+                    st[key] = dict(geomean=_geomean(list(vals.values())), worst=vals[worst],
+                                   worst_workload=worst, per_workload=vals)
+            stats[impl] = st
+        out[s] = dict(workloads=names, impls=stats)
+    return out
 
 
 def host_cpu() -> str:
@@ -483,8 +789,13 @@ def _versions():
     return v
 
 
+def _fmt(x, spec):
+    return "-" if x is None or not math.isfinite(x) else format(x, spec)
+
+
 def table(result: dict):
-    """A rich Table of one run."""
+    """A rich Table of one run: a row per workload and implementation, with a backend's
+    speed-up over the faster torch baseline ("× torch")."""
     from rich.table import Table
 
     host = result.get("host")  # (absent from runs recorded before 2026-12-01 12:30 UTC)
@@ -494,13 +805,40 @@ def table(result: dict):
     t = Table(title=f"convcov bench on {on} ({result['date']}); "
                     f"copy bandwidth {result['copy_bandwidth_GBps']:.1f} GB/s")
     for col in ("workload", "impl", "median µs", "floor µs", "fraction of floor",
-                "rel. error", "calls"):
+                "× torch", "rel. error", "calls"):
         t.add_column(col, justify="left" if col in ("workload", "impl") else "right")
     for r in result["rows"]:
         err = "-" if r["rel_error"] is None else f"{r['rel_error']:.1e}"
         t.add_row(r["workload"], r["impl"], f"{r['median_us']:.1f}", f"{r['floor_us']:.1f}",
-                  f"{r['fraction']:.2f}", err, str(r["calls"]))
+                  _fmt(r["fraction"], ".3g"), _fmt(r.get("speedup"), ".3g"), err,
+                  str(r["calls"]))
     return t
+
+
+def summary_tables(result: dict) -> list:
+    """A rich Table per suite of the run with more than one workload: per implementation,
+    the geometric mean and the worst fraction of the floor over the suite's workloads,
+    and a backend's speed-up over the faster torch baseline, likewise."""
+    from rich.table import Table
+
+    tables = []
+    for suite, s in (result.get("summary") or summary(result)).items():
+        if len(s["workloads"]) < 2:
+            continue
+        t = Table(title=f"suite {suite}: {len(s['workloads'])} workloads")
+        for col in ("impl", "fraction geomean", "fraction worst", "× torch geomean",
+                    "× torch worst", "failed"):
+            t.add_column(col, justify="left" if col in ("impl", "failed") else "right")
+        for impl, st in s["impls"].items():
+            cells = [impl]
+            for key in ("fraction", "speedup"):
+                v = st.get(key)
+                cells += (["-", "-"] if v is None else
+                          [f"{v['geomean']:.3g}", f"{v['worst']:.3g} ({v['worst_workload']})"])
+            cells.append(", ".join(st["failed"]) or "-")
+            t.add_row(*cells)
+        tables.append(t)
+    return tables
 
 
 def save_json(result: dict, path: str):

@@ -83,6 +83,10 @@ def cmd_bench(args):
         _need_matplotlib()
     from . import bench
 
+    try:  # an unknown workload fails now, not after a long run
+        bench.select(args.suite, "cpu", args.workload)
+    except ValueError as exc:
+        sys.exit(f"convcov bench: {exc}")
     devices = {"auto": ["cpu"] + (["cuda"] if _cuda_usable() else []),
                "cpu": ["cpu"], "cuda": ["cuda"]}[args.device]
     if "cuda" in devices and not _cuda_usable():
@@ -91,8 +95,11 @@ def cmd_bench(args):
     for device in devices:
         with _progress(console) as progress:
             result = bench.run(device, args.workload, args.backend, not args.no_torch,
-                               args.repeat, args.budget, progress, args.grad, args.rounds)
+                               args.repeat, args.budget, progress, args.grad, args.rounds,
+                               args.suite)
         console.print(bench.table(result))
+        for t in bench.summary_tables(result):
+            console.print(t)
         for skip in result["not_measured"]:
             console.print(f"not measured: {skip['backend']}: {skip['reason']}")
         results.append(result)
@@ -157,8 +164,14 @@ def main(argv=None):
     b = sub.add_parser("bench", help="time every available backend on SPEC's workloads")
     b.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="host backends, CUDA backends, or both when a GPU is there (default)")
+    b.add_argument("--suite", choices=["reference", "layers", "all"], default="reference",
+                   help="reference: SPEC's reference workloads (toy, cpu, mid, big-f32, "
+                        "big-f16; the default); layers: conv layers of ResNet-20, VGG-11 and "
+                        "MobileNetV2 (r20-stem, r20-16, ...), with each backend's geometric "
+                        "mean and worst; all: both")
     b.add_argument("--workload", action="append",
-                   help="toy, cpu, mid, big-f32, big-f16 (repeatable; default: all for the device)")
+                   help="a workload of the suite (repeatable; default: all of the suite "
+                        "that run on the device)")
     b.add_argument("--backend", action="append", help="restrict to these backends (repeatable)")
     b.add_argument("--no-torch", action="store_true", help="skip the torch / torch.compile rows")
     b.add_argument("--repeat", type=_at_least_one, default=200, help="timed calls per row, at most")
@@ -170,8 +183,8 @@ def main(argv=None):
                    help="also time forward + backward through torch autograd (needs torch)")
     b.add_argument("--json", help="also write the results to this JSON file")
     b.add_argument("--plot", metavar="PATH",
-                   help="also draw fraction of floor per backend and workload (.png, .svg, "
-                        ".pdf; needs matplotlib)")
+                   help="also draw fraction of floor per backend and workload, with the "
+                        "layers suite's geometric mean (.png, .svg, .pdf; needs matplotlib)")
     b.set_defaults(func=cmd_bench)
     p = sub.add_parser("plot", help="draw fraction of floor from saved bench --json files")
     p.add_argument("json", nargs="+", help="JSON files written by convcov bench --json")

@@ -1,12 +1,17 @@
-"""The bench's timing schedule (convcov.bench._rows): the rows' calls interleaved in
-rounds, the order reversed every other round, ``repeat`` calls in all, failures as rows.
-A stand-in device records the schedule; no time is measured or asserted."""
+"""The bench: its timing schedule (convcov.bench._rows: the rows' calls interleaved in
+rounds, the order reversed every other round, ``repeat`` calls in all, failures as rows;
+a stand-in device records the schedule, no time is measured or asserted), its workloads
+(the layers suite as SPEC section 5 lists it), its memory floor (against a count of the
+sectors SPEC section 1's loops read), the plain torch baseline (against the numpy
+reference, eager and compiled) and that torch.compile is compiled afresh per shape."""
 
 from __future__ import annotations
 
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from convcov import bench
 
@@ -151,6 +156,8 @@ def test_backends_and_torch_baselines_are_interleaved_apart(monkeypatch):
     monkeypatch.setattr(bench, "_rows", spy)
     monkeypatch.setattr(bench, "_impls", lambda dev, backends, with_torch: dict.fromkeys(
         ("numpy", "torch", "numba", "torch.compile"), nothing))
+    monkeypatch.setattr(bench, "_check", lambda *args, **kwargs: 0.0)  # nothing is right
+    monkeypatch.setattr(bench._Host, "copy_bandwidth", lambda self: 1e10)  # not measured
     result = bench.run("cpu", ["toy"], repeat=2, budget_s=0.01, rounds=2)
     assert groups == [["numpy", "numba"], ["torch", "torch.compile"]]
     assert [r["impl"] for r in result["rows"]] == ["numpy", "numba", "torch", "torch.compile"]
@@ -175,12 +182,14 @@ def test_gradient_rows_are_grouped_too(monkeypatch):
     monkeypatch.setattr(bench, "_impls", lambda dev, backends, with_torch: {"numpy": nothing})
     monkeypatch.setattr(bench, "_grad_impls", lambda dev, backends, with_torch: dict.fromkeys(
         ("numpy fwd+bwd", "torch.compile fwd+bwd", "numba fwd+bwd"), nothing))
+    monkeypatch.setattr(bench._Host, "copy_bandwidth", lambda self: 1e10)  # not measured
     bench.run("cpu", ["toy"], repeat=2, budget_s=0.01, rounds=2, grad=True)
     assert groups == [["numpy"], [], ["numpy fwd+bwd", "numba fwd+bwd"],
                       ["torch.compile fwd+bwd"]]
 
 
-def test_the_recorded_rounds_are_the_rounds_used():
+def test_the_recorded_rounds_are_the_rounds_used(monkeypatch):
+    monkeypatch.setattr(bench._Host, "copy_bandwidth", lambda self: 1e10)  # not measured
     assert bench.run("cpu", ["toy"], ["numpy"], False, repeat=2, budget_s=0.01,
                      rounds=5)["rounds"] == 2
 
@@ -216,3 +225,324 @@ def test_the_host_cpu_is_named(monkeypatch, tmp_path):
     console = Console(record=True, width=200)
     console.print(bench.table(result))
     assert "NVIDIA H200, 132 SMs, 139 GiB (host: Xeon, 2 cores)" in console.export_text()
+
+
+# ---------------------------------------------------------------------------------------
+# The layers suite
+
+#: SPEC section 5, as written there: name: Ci, Co, H, k, stride, padding, dilation,
+#: groups, gamma, out, dtype on the GPU, batch on the GPU; and Ho as torch's conv2d gives.
+SPEC_LAYERS = {
+    "r20-stem": (3, 16, 32, 3, 1, 1, 1, 1, "none", "diag", "float32", 32, 32),
+    "r20-16": (16, 16, 32, 3, 1, 1, 1, 1, "diag", "diag", "float32", 32, 32),
+    "r20-down": (16, 32, 32, 3, 2, 1, 1, 1, "diag", "diag", "float32", 32, 16),
+    "r20-short": (16, 32, 32, 1, 2, 0, 1, 1, "diag", "diag", "float32", 32, 16),
+    "r20-64full": (64, 64, 8, 3, 1, 1, 1, 1, "full", "full", "float32", 32, 8),
+    "vgg-256": (128, 256, 16, 3, 1, 1, 1, 1, "diag", "diag", "float16", 16, 16),
+    "mb-dw": (96, 96, 16, 3, 1, 1, 1, 96, "diag", "diag", "float16", 32, 16),
+    "mb-dw-s2": (144, 144, 16, 3, 2, 1, 1, 144, "diag", "diag", "bfloat16", 32, 8),
+    "mb-pw": (32, 192, 16, 1, 1, 0, 1, 1, "diag", "diag", "float16", 16, 16),
+    "stem-k5": (3, 32, 32, 5, 1, 2, 1, 1, "none", "diag", "float32", 32, 32),
+    "dil2": (64, 64, 16, 3, 1, 2, 2, 1, "diag", "diag", "float32", 16, 16),
+    "grp8": (64, 64, 16, 3, 1, 1, 1, 8, "diag", "diag", "bfloat16", 16, 16),
+}
+
+
+def test_the_layers_suite_is_spec_s():
+    torch = pytest.importorskip("torch")
+    for device in ("cuda", "cpu"):
+        got = bench.select("layers", device)
+        assert [w.name for w in got] == list(SPEC_LAYERS)
+        for w in got:
+            Ci, Co, H, k, s, p, d, G, gamma, out, dtype, B, Ho = SPEC_LAYERS[w.name]
+            host = dict(B=2, dtype="float32" if dtype == "bfloat16" else dtype)
+            want = dict(B=B, dtype=dtype) if device == "cuda" else host
+            assert (w.Ci, w.Co, w.H, w.k, w.stride, w.padding, w.dilation, w.groups, w.gamma,
+                    w.out, w.dtype, w.B, w.suite) == (Ci, Co, H, k, s, p, d, G, gamma, out,
+                                                      want["dtype"], want["B"], "layers")
+            y = torch.nn.functional.conv2d(torch.empty(1, Ci, H, H, device="meta"),
+                                           torch.empty(Co, Ci // G, k, k, device="meta"),
+                                           stride=s, padding=p, dilation=d, groups=G)
+            assert (w.Ho, w.Wo) == tuple(y.shape[2:]) == (Ho, Ho)
+    # the reference suite stays as it was; "all" is both; a name must be in the suite
+    assert [w.name for w in bench.select("reference", "cpu")] == ["toy", "cpu"]
+    assert [w.name for w in bench.select("all", "cpu", ["toy", "grp8"])] == ["toy", "grp8"]
+    with pytest.raises(ValueError, match="unknown workload 'grp8' in suite 'reference'"):
+        bench.select("reference", "cpu", ["grp8"])
+
+
+def test_recorded_runs_still_read():
+    """A run recorded with one ``layout`` for gamma and out reads back as a Workload."""
+    w = bench.Workload(**dict(name="toy", B=2, Ci=3, Co=3, H=9, k=3, layout="full",
+                              dtype="float32", device="both"))
+    assert w == next(x for x in bench.WORKLOADS if x.name == "toy")
+
+
+# ---------------------------------------------------------------------------------------
+# The floor
+
+def _read_sectors(w):
+    """gamma's and mu's bytes in whole sectors, by SPEC section 1's loops: every term
+    (b, ci, i0, j0, i1, j1, ii, ji) enumerated, the flat indices of the entries it reads
+    in the contiguous layouts collected, their 32-byte sectors counted."""
+    import numpy as np
+
+    s, p, d = w.stride, w.padding, w.dilation
+    i0, j0, i1, j1, ii, ji = np.meshgrid(*(np.arange(n) for n in (
+        w.Ho, w.Wo, w.Ho, w.Wo, w.k, w.k)), indexing="ij")
+    x0, y0 = i0 * s + ii * d - p, j0 * s + ji * d - p
+    x1, y1 = i1 * s + ii * d - p, j1 * s + ji * d - p
+    ok = ((x0 >= 0) & (x0 < w.H) & (y0 >= 0) & (y0 < w.W) & (x1 >= 0) & (x1 < w.H)
+          & (y1 >= 0) & (y1 < w.W))
+    x0, y0, x1, y1 = x0[ok], y0[ok], x1[ok], y1[ok]
+    HW = w.H * w.W
+    mu, gamma = set(), set()
+    for b in range(w.B):
+        for ci in range(w.Ci):
+            mu.update(((b * w.Ci + ci) * HW + x0 * w.W + y0).tolist())
+            if w.gamma == "diag":
+                gamma.update((((b * w.Ci + ci) * HW + x0 * w.W + y0) * HW
+                              + x1 * w.W + y1).tolist())
+            elif w.gamma == "full":
+                gamma.update((((((b * w.Ci + ci) * HW + x0 * w.W + y0) * w.Ci + ci) * HW)
+                              + x1 * w.W + y1).tolist())
+
+    def nbytes(entries):
+        return 32 * len({e * w.itemsize // 32 for e in entries})
+
+    return nbytes(gamma), nbytes(mu)
+
+
+FLOOR_CASES = [  # B, Ci, H, k, stride, padding, dilation, gamma, dtype
+    (2, 3, 9, 3, 1, 0, 1, "full", "float32"),  # toy: 324-byte rows, across sectors
+    (1, 2, 9, 3, 1, 0, 1, "diag", "float16"),  # blocks that do not start on a sector
+    (1, 2, 8, 3, 2, 1, 1, "diag", "float32"),  # k3 stride 2: pairs of one parity only
+    (2, 2, 7, 3, 2, 1, 2, "full", "float16"),
+    (1, 1, 10, 2, 3, 2, 1, "diag", "float64"),
+    (1, 3, 6, 1, 2, 0, 1, "none", "bfloat16"),
+]
+
+
+@pytest.mark.parametrize("case", FLOOR_CASES)
+def test_the_floor_is_the_sectors_the_operation_reads(case):
+    B, Ci, H, k, s, p, d, gamma, dtype = case
+    w = bench.Workload("t", B, Ci, 5, H, k, gamma, "full", dtype, stride=s, padding=p,
+                       dilation=d)
+    assert (w.gamma_bytes(), w.mu_bytes()) == _read_sectors(w)
+    assert w.floor_bytes() == (w.gamma_bytes() + w.mu_bytes()
+                               + w.itemsize * (2 * B * 5 * (w.Ho * w.Wo) ** 2 + 5))
+
+
+def test_the_floor_of_a_1x1_stride_2_layer():
+    """1x1, stride 2, W = 16, float32: the even (x, y) positions are read, a quarter of
+    mu's entries; but a 32-byte sector is 8 neighbours along y, so every sector of an even
+    row holds 4 read entries and mu's read sectors are half of its sectors (256 entries,
+    32 sectors, 16 read). gamma's: rows (x0, y0, x1) even in all three (an eighth), each
+    all read: 65536 entries / 8 per sector / 8 = 1024 sectors. out: Ho = 8."""
+    w = bench.Workload("t", 1, 1, 1, 16, 1, "diag", "diag", "float32", stride=2)
+    assert w.Ho == 8
+    assert w.mu_bytes() == 16 * 32 and w.gamma_bytes() == 1024 * 32
+    assert w.floor_bytes() == 16 * 32 + 1024 * 32 + 2 * 4 * 8**4 + 4
+    # 3x3, stride 2, padding 1: every position read, but gamma only in same-parity pairs
+    # of x (x1 - x0 = 2 (i1 - i0)): half of its rows; along y, 4 of a sector's 8
+    w3 = bench.Workload("t", 1, 1, 1, 16, 3, "diag", "diag", "float32", stride=2, padding=1)
+    assert w3.mu_bytes() == 32 * 32 and w3.gamma_bytes() == 8192 * 32 // 2
+
+
+def test_the_floor_of_the_reference_workloads():
+    """mu (in whole sectors: toy's 1944 bytes are 61 sectors), out and c as before;
+    gamma's channel-diagonal all but the rows of the pairs no window reads together: with
+    stride 1 and no padding the pairs read are |x1 - x0| <= Ho - 1 = H - 3, so of H*H x
+    pairs six are never read ((0, H-2), (0, H-1), (1, H-1) and their mirrors), rows of
+    whole sectors each (H*itemsize a multiple of 32)."""
+    for w in bench.WORKLOADS:
+        size = w.itemsize
+        assert w.mu_bytes() == -(-size * w.B * w.Ci * w.H**2 // 32) * 32
+        assert w.out_bytes() == size * 2 * w.B * w.Co * w.Ho**4
+        assert w.floor_bytes() - w.gamma_bytes() - w.mu_bytes() - w.out_bytes() == size * w.Co
+        if w.name != "toy":  # (toy's rows straddle sectors: the test above counts it)
+            assert w.gamma_bytes() == size * w.B * w.Ci * w.H**4 * (w.H**2 - 6) // w.H**2
+    # a stride-1 layer with "same" padding reads every pair: all of gamma's diagonal
+    r20 = next(w for w in bench.LAYERS if w.name == "r20-16" and w.device == "cpu")
+    assert r20.gamma_bytes() == 4 * r20.B * r20.Ci * r20.H**4
+
+
+def test_sectors_of_blocks_that_straddle_sectors():
+    """The periodic count (many blocks, not a whole number of sectors each) equals the
+    count of every entry's sector."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    for N, itemsize, density in ((6561, 4, 0.02), (6561, 2, 0.02), (1000, 8, 0.05),
+                                 (37, 2, 0.3)):
+        R = np.flatnonzero(rng.random(N) < density)
+        blocks = 2**20 // R.size + 1  # past the direct count's limit
+        every = (np.arange(blocks)[:, None] * N + R).ravel() * itemsize // 32
+        assert bench.sectors(R, N, blocks, itemsize) == np.unique(every).size
+
+
+# ---------------------------------------------------------------------------------------
+# The plain torch baseline
+
+def _np(t):
+    return t.detach().double().numpy().copy()  # a copy: float64's would share memory
+
+
+@st.composite
+def layers(draw):
+    G, Cg, Cog = draw(st.integers(1, 3)), draw(st.integers(1, 2)), draw(st.integers(1, 2))
+    kh, kw = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    s, p, d = (draw(st.tuples(st.integers(lo, hi), st.integers(lo, hi)))
+               for lo, hi in ((1, 3), (0, 2), (1, 2)))
+    H = draw(st.integers(max(1, d[0] * (kh - 1) + 1 - 2 * p[0]), 7))
+    W = draw(st.integers(max(1, d[1] * (kw - 1) + 1 - 2 * p[1]), 7))
+    dtypes = st.sampled_from(["float16", "bfloat16", "float32", "float64"])
+    return dict(B=draw(st.integers(1, 2)), G=G, Ci=G * Cg, Co=G * Cog, H=H, W=W, k=(kh, kw),
+                s=s, p=p, d=d, gamma=draw(st.sampled_from(["none", "diag", "full"])),
+                out=draw(st.sampled_from(["diag", "full"])),
+                c=draw(st.sampled_from(["number", "0-d", "vector"])),
+                dtypes=[draw(dtypes) for _ in range(4)], seed=draw(st.integers(0, 2**16)))
+
+
+def _case(L):
+    """Random arrays of layer ``L`` (torch tensors in ``L``'s dtypes) and the float64
+    reference result of accumulate, by the numpy backend."""
+    import numpy as np
+    import torch
+
+    import convcov
+
+    gen = torch.Generator().manual_seed(L["seed"])
+    B, Ci, Co, H, W, (kh, kw) = L["B"], L["Ci"], L["Co"], L["H"], L["W"], L["k"]
+    Ho = (H + 2 * L["p"][0] - L["d"][0] * (kh - 1) - 1) // L["s"][0] + 1
+    Wo = (W + 2 * L["p"][1] - L["d"][1] * (kw - 1) - 1) // L["s"][1] + 1
+    dt = [getattr(torch, n) for n in L["dtypes"]]
+    out = torch.rand((B, Co, Ho, Wo) + ((Co,) if L["out"] == "full" else ()) + (Ho, Wo),
+                     generator=gen).to(dt[0])
+    gamma = None if L["gamma"] == "none" else torch.rand(
+        (B, Ci, H, W) + ((Ci,) if L["gamma"] == "full" else ()) + (H, W),
+        generator=gen).to(dt[1])
+    mu = torch.rand(B, Ci, H, W, generator=gen).to(dt[2])
+    c = {"number": 0.7, "0-d": torch.tensor(0.7, dtype=dt[3]),
+         "vector": torch.rand(Co, generator=gen).to(dt[3])}[L["c"]]
+    conv = dict(stride=L["s"], padding=L["p"], dilation=L["d"], groups=L["G"])
+    ref = convcov.accumulate(_np(out), None if gamma is None else _np(gamma), _np(mu),
+                             c if L["c"] == "number" else np.asarray(_np(c)), L["k"],
+                             backend="numpy", **conv)
+    return out, gamma, mu, c, ref
+
+
+def _assert_matches(got, out0, ref, L):
+    import numpy as np
+    import torch
+
+    # one rounding into out's dtype, sums in float32 at least
+    tol = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 1e-5,
+           torch.float64: 1e-6}[got.dtype]
+    if "float64" not in L["dtypes"] and got.dtype == torch.float64:
+        tol = 1e-5  # float32 sums, a float64 out
+    g = _np(got)
+    assert np.abs(g - ref).max() <= tol * np.abs(ref).max(), (L, np.abs(g - ref).max())
+    if L["out"] == "full":  # only the channel-diagonal changes, bit for bit
+        Co = got.shape[1]
+        off = ~torch.eye(Co, dtype=torch.bool)[None, :, None, None, :, None, None]
+        off = off.expand(got.shape)
+        assert torch.equal(got[off], out0[off])
+
+
+@settings(max_examples=40)
+@given(layers())
+def test_the_torch_baseline_is_the_operation(L):
+    """Eager, and the form torch.compile traces (torch_expr's fused windows), run eagerly
+    here (compiling each example would take minutes); against the numpy reference."""
+    from unittest import mock
+
+    import torch
+
+    from convcov import torch_expr
+
+    out0, gamma, mu, c, ref = _case(L)
+    args = (*L["k"], L["s"], L["p"], L["d"], L["G"])
+    out = out0.clone()
+    assert torch_expr.accumulate(out, gamma, mu, c, *args) is out
+    _assert_matches(out, out0, ref, L)
+    with mock.patch.object(torch.compiler, "is_compiling", lambda: True):
+        fused = torch_expr.accumulate(out0.clone(), gamma, mu, c, *args)
+    _assert_matches(fused, out0, ref, L)
+    S = torch_expr.patch_moment(gamma, mu, *args)
+    f64 = torch.float64 in (mu.dtype, None if gamma is None else gamma.dtype)
+    assert S.dtype == (torch.float64 if f64 else torch.float32)
+    assert S.shape == (L["B"], L["G"], *ref.shape[2:4], *ref.shape[2:4])
+
+
+def test_the_compiled_torch_baseline_is_the_operation():
+    """One small shape through torch.compile itself (stride, padding, groups, a full
+    out and gamma, mixed dtypes)."""
+    import torch
+
+    from convcov import torch_expr
+
+    L = dict(B=2, G=2, Ci=4, Co=6, H=7, W=6, k=(3, 2), s=(2, 1), p=(1, 0), d=(1, 2),
+             gamma="full", out="full", c="vector",
+             dtypes=["float32", "float16", "float32", "float32"], seed=3)
+    out0, gamma, mu, c, ref = _case(L)
+    compiled = torch.compile(torch_expr.accumulate, dynamic=False, fullgraph=True)
+    out = out0.clone()
+    compiled(out, gamma, mu, c, *L["k"], L["s"], L["p"], L["d"], L["G"])
+    _assert_matches(out, out0, ref, L)
+
+
+def test_torch_compile_is_fresh_for_each_workload(monkeypatch):
+    """Each workload gets its own compiled function, after torch.compiler.reset: no
+    compiled function sees two shapes, so none passes torch.compile's recompile limit
+    and none is timed eagerly by accident."""
+    import torch
+
+    seen, resets = [], []
+
+    def fake_compile(fn, **kwargs):
+        assert kwargs == dict(dynamic=False, fullgraph=True)
+        shapes = set()
+        seen.append(shapes)
+
+        def compiled(out, *args):
+            shapes.add(tuple(out.shape))
+            return fn(out, *args)
+
+        return compiled
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    monkeypatch.setattr(bench._Host, "copy_bandwidth", lambda self: 1e10)  # not measured
+    monkeypatch.setattr(torch.compiler, "reset", lambda: resets.append(1))
+    monkeypatch.setitem(bench.SUITES, "layers", [  # two small layers of two shapes
+        bench.Workload("a", 2, 4, 4, 8, 3, "diag", "diag", padding=1, groups=2,
+                       suite="layers"),
+        bench.Workload("b", 2, 4, 6, 7, 1, "full", "full", stride=2, suite="layers")])
+    result = bench.run("cpu", None, ["numpy"], repeat=2, budget_s=0.01, suite="layers")
+    used = [s for s in seen if s]
+    assert len(used) == 2 and all(len(s) == 1 for s in used) and used[0] != used[1]
+    assert len(resets) == 2
+    rows = {(r["workload"], r["impl"]): r for r in result["rows"]}
+    assert set(rows) == {(w, i) for w in "ab" for i in ("numpy", "torch", "torch.compile")}
+    for w in "ab":  # checked, then timed; the speed-up is the
+        best = min(rows[w, "torch"]["median_us"], rows[w, "torch.compile"]["median_us"])
+        assert rows[w, "torch.compile"]["rel_error"] < 1e-5  # faster baseline's
+        assert rows[w, "numpy"]["speedup"] == pytest.approx(best / rows[w, "numpy"]["median_us"])
+
+
+def test_summary_geomean_and_worst():
+    rows = [dict(workload=w, impl=i, median_us=t, floor_us=1.0, fraction=1.0 / t,
+                 rel_error=None, calls=3, speedup=sp)
+            for w, i, t, sp in [("a", "cupy", 2.0, 4.0), ("b", "cupy", 8.0, 1.0),
+                                ("a", "torch", 8.0, None), ("b", "torch", 8.0, None)]]
+    rows.append(dict(workload="c", impl="cupy (failed: ValueError: x)", median_us=math.nan,
+                     floor_us=1.0, fraction=math.nan, rel_error=None, calls=0, speedup=None))
+    result = dict(workloads=[dict(name=n, suite="layers") for n in "abc"], rows=rows)
+    s = bench.summary(result)["layers"]
+    cupy = s["impls"]["cupy"]
+    assert cupy["fraction"]["geomean"] == pytest.approx(0.25)  # sqrt(1/2 * 1/8)
+    assert (cupy["fraction"]["worst"], cupy["fraction"]["worst_workload"]) == (0.125, "b")
+    assert cupy["speedup"]["geomean"] == pytest.approx(2.0)
+    assert (cupy["speedup"]["worst"], cupy["speedup"]["worst_workload"]) == (1.0, "b")
+    assert cupy["failed"] == ["c"] and cupy["measured"] == 2
+    assert "speedup" not in s["impls"]["torch"]

@@ -81,3 +81,48 @@ def test_bench_rounds_option(tmp_path):
     for bad in (["--rounds", "0"], ["--repeat", "0"]):  # refused before anything runs
         with pytest.raises(SystemExit):
             cli.main(["bench", "--device", "cpu", *bad])
+
+
+def test_bench_layers_suite(tmp_path, capsys, monkeypatch):
+    """Two layers of the layers suite, with the torch baselines: rows, each backend's
+    speed-up, the summary (JSON and on screen) and the picture. torch.compile is stood in
+    for by the eager expression (compiling takes a minute on a small host; the bench's
+    own tests compile for real)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("matplotlib", reason="drawing needs matplotlib")
+    import torch
+
+    from convcov import bench
+
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
+    monkeypatch.setattr(bench._Host, "copy_bandwidth", lambda self: 2e10)
+    path, png = tmp_path / "r.json", tmp_path / "r.png"
+    cli.main(["bench", "--device", "cpu", "--suite", "layers", "--workload", "r20-short",
+              "--workload", "grp8", "--backend", "numpy", "--repeat", "2",
+              "--budget", "0.01", "--json", str(path), "--plot", str(png)])
+    result = json.loads(path.read_text())
+    assert result["suite"] == "layers"
+    assert [(w["name"], w["suite"], w["B"]) for w in result["workloads"]] == [
+        ("r20-short", "layers", 2), ("grp8", "layers", 2)]
+    rows = {(r["workload"], r["impl"]): r for r in result["rows"]}
+    assert set(rows) == {(w, i) for w in ("r20-short", "grp8")
+                         for i in ("numpy", "torch", "torch.compile")}
+    assert all(r["calls"] == 2 and r["rel_error"] < 1e-5 for r in rows.values())
+    s = result["summary"]["layers"]
+    assert s["workloads"] == ["r20-short", "grp8"]
+    numpy = s["impls"]["numpy"]
+    assert numpy["speedup"]["per_workload"] == {
+        w: rows[w, "numpy"]["speedup"] for w in ("r20-short", "grp8")}
+    assert numpy["fraction"]["worst"] == min(rows[w, "numpy"]["fraction"]
+                                             for w in ("r20-short", "grp8"))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    screen = capsys.readouterr().out
+    assert "suite layers: 2 workloads" in screen and "× torch" in screen
+
+
+def test_bench_rejects_a_workload_not_in_the_suite(monkeypatch):
+    monkeypatch.setattr("convcov.bench.run", lambda *a, **k: pytest.fail("bench ran"))
+    with pytest.raises(SystemExit, match="unknown workload 'toy' in suite 'layers'"):
+        cli.main(["bench", "--device", "cpu", "--suite", "layers", "--workload", "toy"])
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--device", "cpu", "--suite", "nope"])

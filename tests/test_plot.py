@@ -89,3 +89,24 @@ def test_bench_plot_without_matplotlib_fails_before_running(rich, monkeypatch, t
     monkeypatch.setattr("convcov.bench.run", lambda *a, **k: pytest.fail("bench ran"))
     with pytest.raises(SystemExit, match=r"convcov\[plot\]"):
         cli.main(["bench", "--device", "cpu", "--plot", str(tmp_path / "x.png")])
+
+
+def test_the_layers_suite_ends_with_its_geometric_mean():
+    """A run of both suites is two panels; the layers panel has a group per layer and a
+    last group of each implementation's geometric mean over the layers it ran on."""
+    pytest.importorskip("matplotlib", reason="drawing needs matplotlib")
+    run = _run("cuda", [("toy", "cupy", 0.5), ("r20-16", "cupy", 0.5), ("r20-16", "torch", 0.1),
+                        ("mb-dw", "cupy", 0.125), ("mb-dw", "torch (failed: boom)", math.nan)])
+    run["workloads"] = [dict(name="toy", suite="reference"),
+                        dict(name="r20-16", suite="layers"), dict(name="mb-dw", suite="layers")]
+    fig = plot.figure(run)
+    ref_ax, layers_ax = fig.axes
+    assert [t.get_text() for t in ref_ax.get_xticklabels()] == ["toy"]
+    labels = [t.get_text() for t in layers_ax.get_xticklabels()]
+    assert labels[:2] == ["r20-16", "mb-dw"] and labels[2].startswith("geomean")
+    assert "of those run" in labels[2]  # torch failed on one layer
+    tops = sorted(round(p.get_y() + p.get_height(), 6) for p in layers_ax.patches)
+    # the layers' bars, then cupy's geomean sqrt(0.5 * 0.125) = 0.25 and torch's 0.1
+    assert tops == [0.1, 0.1, 0.125, 0.25, 0.5]
+    assert plot.geomeans(run["rows"][1:]) == {"cupy": (pytest.approx(0.25), 2),
+                                              "torch": (pytest.approx(0.1), 1)}
