@@ -2,7 +2,9 @@
 
 One property, parametrised over every registered backend (built-in and plug-ins): for a
 random problem (shapes, conv parameters, groups, layouts of ``out`` and ``gamma``, ``c``
-as number / 0-d / 1-d, dtypes per array, array kind and memory layout per array) the
+as number / 0-d / 1-d, dtypes per array, array kind and memory layout per array; half of
+them with the conv parameters and group structure of a layer of the bench's ``layers``
+suite, scaled down) the
 backend's ``out`` equals the reference's within the forward error bound of its dtypes,
 and every element off the channel-diagonal stays bit-identical. Backends added later are
 covered by registering; nothing here names them.
@@ -16,7 +18,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import convcov
-from convcov import _frontend, _registry
+from convcov import _frontend, _registry, bench
 
 from kinds import SIM, kinds_for, make, to_f64, tolerance
 
@@ -30,9 +32,36 @@ REVERSED = {"numpy", "cupy"}
 BROADCAST = {"numpy", "cupy", "torch", "torch_cuda"}
 
 
+#: The conv layers of ``convcov bench --suite layers`` (one workload a name), whose conv
+#: parameters and group structure the problems below also take, at small sizes.
+LAYERS = list({w.name: w for w in bench.LAYERS}.values())
+
+
+@st.composite
+def layer_problems(draw, small: bool):
+    """A layer of the suite, scaled down: its kernel, stride, padding, dilation and the
+    kind of its groups (one group, several, or depthwise) kept; channels a group, groups,
+    batch and input size drawn small."""
+    w = draw(st.sampled_from(LAYERS), label="layer")
+    depthwise = w.groups == w.Ci == w.Co
+    G = (draw(st.integers(1, 2 if small else 4)) if depthwise or w.groups > 1 else 1)
+    cg = 1 if depthwise else draw(st.integers(1, min(w.Ci // w.groups, 2 if small else 5)))
+    co_per_g = 1 if depthwise else draw(st.integers(1, min(w.Co // w.groups,
+                                                           2 if small else 3)))
+    span = w.dilation * (w.k - 1) + 1
+    H = draw(st.integers(max(1, span - 2 * w.padding, w.stride),
+                         span + (2 if small else 6) + w.stride))
+    B = draw(st.integers(1, 1 if small else 2))
+    return dict(B=B, Ci=G * cg, Co=G * co_per_g, G=G, H=H, W=H, k=(w.k, w.k),
+                stride=(w.stride,) * 2, padding=(w.padding,) * 2, dilation=(w.dilation,) * 2)
+
+
 @st.composite
 def problems(draw, small: bool):
-    """Sizes and conv parameters of one call (small: for the CUDA simulator)."""
+    """Sizes and conv parameters of one call (small: for the CUDA simulator): a layer of
+    the suite's kind (layer_problems) or any other."""
+    if draw(st.booleans(), label="a layer of the suite"):
+        return draw(layer_problems(small))
     G = draw(st.integers(1, 2 if small else 3))
     # up to 5 input channels a group: numba's four-channel passes and their remainder
     cg = draw(st.integers(1, 2 if small else 5))

@@ -1144,10 +1144,11 @@ def _family_names(family):
 
 
 #: The kernels' ``Args`` struct as a NumPy dtype: ``_ARGS_STRUCT``'s layout (every field 8
-#: bytes, in order, no padding). CuPy passes a one-element NumPy array by value, and the
-#: driver copies sizeof(Args) bytes from its data: the struct, as the kernel declares it.
-_ARGS = np.dtype({"names": list(_FIELDS),
-                  "formats": ["<f8" if f == "c_value" else "<i8" for f in _FIELDS]})
+#: bytes, in order, no padding; c_value is written as its float64 bits). CuPy passes a
+#: structured scalar by value, and the driver copies sizeof(Args) bytes from its data: the
+#: struct, as the kernel declares it. One subarray field, not one field a member: CuPy
+#: reads the dtype's description on every launch, which costs per field.
+_ARGS = np.dtype([("words", "<i8", (len(_FIELDS),))])
 #: Args slots a forward call writes, in the order _launch gives their values: the
 #: addresses of out, gamma, mu, c, T and S, and c's bits when c is a number (c_value).
 _CALL_SLOTS = np.array([_SLOT[n] for n in ("out", "gamma", "mu", "c", "t", "s", "c_value")])

@@ -1398,7 +1398,7 @@ class NumbaBackend(Backend):
         prm = np.array((a.B, a.Ci, a.G, a.H, a.W, a.Ho, a.Wo, a.kh, a.kw, a.sh, a.sw,
                         a.ph, a.pw, a.dh, a.dw, s.ptr, _CODE[s.dtype], *s.strides,
                         m.ptr, _CODE[m.dtype], *m.strides, *gg_part, *gm_part, nt, pairs,
-                        sym.ctypes.data, int(windows)), np.int64)
+                        sym.__array_interface__["data"][0], int(windows)), np.int64)
         assert len(prm) == len(_VJP_PRM)
         _call(_vjp_parallel, _vjp_serial, prm)
         del sym  # (held until the kernel is done with its address)
