@@ -43,14 +43,14 @@ pytestmark = [
 
 @pytest.fixture(autouse=True)
 def _gaps_take_the_direct_plan(request, monkeypatch):
-    """The cases with gaps between the windows stand for large inputs (the direct plan's
-    calls), at sizes whose M would fit the cache-sized chunk: the chunk is made one byte
-    for them, as their M would exceed it at full size. Bound launchers start afresh."""
+    """The cases with gaps between the windows stand for the direct plan's calls (strides
+    far above 1 on large inputs), at sizes where the plan rule may weigh either way: they
+    take the direct plan. Bound launchers start afresh."""
     callspec = getattr(request.node, "callspec", None)
     if callspec is not None and "gaps" in str(callspec.params.get("case", "")):
         from convcov import _frontend
 
-        monkeypatch.setattr(nbb, "CHUNK_BYTES", 1)
+        monkeypatch.setattr(nbb, "DIRECT_COST", 0)
         monkeypatch.setattr(_frontend, "_bound", {})
 
 

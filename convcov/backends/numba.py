@@ -20,12 +20,11 @@ How it computes (docs/numba.md has the design notes and the measurements):
 * The direct plan, with no M: phase 2 alone, each row summed straight from the strided
   windows of gamma's channel-diagonal planes and of mu (four channels per pass). Its only
   temporaries are the per-thread rows. It reads ``kh*kw*Cg*(Ho*Wo)**2`` terms per pair
-  where the M plan reads ``Cg*(H*W)**2`` into an ``(H*W)**2`` buffer, so it is taken when
-  ``kh*kw*(Ho*Wo)**2 < (H*W)**2`` (strides above 1, inputs much larger than the output)
-  and one pair's M would not fit in the cache-sized chunk (``CHUNK_BYTES``; in cache, the
-  M plan is the faster one). The M plan's buffer is so at most the larger of
-  ``CHUNK_BYTES`` and kh*kw S blocks of one pair: it never grows with ``(H*W)**2`` past
-  what the call computes.
+  where the M plan reads ``Cg*(H*W)**2`` into an ``(H*W)**2`` buffer; a direct term costs
+  about ``DIRECT_COST`` contiguous ones, so it is taken when
+  ``DIRECT_COST*kh*kw*(Ho*Wo)**2 < (H*W)**2`` (strides above 1, inputs much larger than
+  the output). The M plan's buffer, where it is used, is so below ``DIRECT_COST*kh*kw``
+  S blocks of one pair: it never grows with ``(H*W)**2`` past what the call computes.
 * Parallel over ``(pair, x0)`` in phase 1 and ``(pair, i0)`` in phase 2: both cores are
   busy even for B = 1, G = 1. The channel-diagonal planes of gamma and rows of out are
   short and far apart, so the kernel prefetches a few kilobytes ahead in software.
@@ -1292,11 +1291,17 @@ _O_ADDR, _G_ADDR, _M_ADDR, _C_ADDR, _PAIRS = (
     _PRM.index(n) for n in ("o_addr", "g_addr", "m_addr", "c_addr", "pairs"))
 
 
-def _direct_plan(kh, kw, HW, HoWo, acc_size):
+#: How many times a term of the direct plan's windows (strided gathers, several pointers)
+#: costs a term of phase 1's contiguous four-channel passes: r20-short (1x1, stride 2, 16
+#: times fewer terms) 8.7 -> 1.6 ms direct; r20-down (1.7 times fewer) 8.7 ms with M,
+#: 9.4 direct (host, one call of the layers suite's shapes).
+DIRECT_COST = 4
+
+
+def _direct_plan(kh, kw, HW, HoWo):
     """Whether the forward takes the direct plan (no M)."""
-    # Per channel it reads kh*kw*(Ho*Wo)**2 terms where phase 1 reads (H*W)**2 into M; an M
-    # within CHUNK_BYTES stays in cache, where the M plan is 1.5-2.7x faster on stride 2.
-    return kh * kw * HoWo**2 < HW**2 and HW**2 * acc_size > CHUNK_BYTES
+    # Per channel it reads kh*kw*(Ho*Wo)**2 terms where phase 1 reads (H*W)**2 into M.
+    return DIRECT_COST * kh * kw * HoWo**2 < HW**2
 
 
 #: How many times a term of the backward's grad_mu windows (strided, short runs) costs a
@@ -1326,7 +1331,7 @@ def _params(p):
     else:
         g_part = (0, _CODE[gi.dtype]) + diag_strides(gi.strides, p.full_gamma)
     Cg = p.Ci // p.G
-    direct = _direct_plan(p.kh, p.kw, p.H * p.W, p.Ho * p.Wo, acc(0).itemsize)
+    direct = _direct_plan(p.kh, p.kw, p.H * p.W, p.Ho * p.Wo)
     pf = (0, 0)
     if sum(p.diagonal_bytes()) >= PREFETCH_FROM_BYTES:
         isz = 2 if gi is None else _ITEMSIZE[gi.dtype]
