@@ -285,6 +285,8 @@ def accumulate(out, gamma, mu, c, kernel_size, stride, padding, dilation, groups
         _check_routed(out, gamma, mu, c)
     k, s, p, d, G = _params(kernel_size, stride, padding, dilation, groups,
                             out.shape[1], mu.shape[1])
+    if eager:  # the checked parameters: a stride or dilation that cannot matter made small
+        s, d = [problem.sh, problem.sw], [problem.dh, problem.dw]
     c, c_value = (c, 0.0) if isinstance(c, torch.Tensor) else (None, _frontend.c_float(c))
     backend = _backend_arg(backend)
     records = torch.is_grad_enabled() and (
@@ -312,8 +314,9 @@ def accumulate(out, gamma, mu, c, kernel_size, stride, padding, dilation, groups
 
 def patch_moment(gamma, mu, kernel_size, stride, padding, dilation, groups, backend):
     """``convcov.patch_moment`` as ``convcov::patch_moment``."""
-    if _eager(mu):
-        _frontend.check_patch_moment(gamma, mu, kernel_size, stride, padding, dilation, groups,
-                                     backend)
     k, s, p, d, G = _params(kernel_size, stride, padding, dilation, groups, None, None)
+    if _eager(mu):  # checked; a stride or dilation that cannot matter made small
+        _, _, (_, s, _, d, _) = _frontend.check_patch_moment(
+            gamma, mu, kernel_size, stride, padding, dilation, groups, backend)
+        s, d = list(s), list(d)
     return torch.ops.convcov.patch_moment(gamma, mu, k, s, p, d, G, _backend_arg(backend))

@@ -108,6 +108,12 @@ def test_huge_conv_parameters_compute_or_name_the_argument(kind, backend):
         want = (np.zeros((1, 1, 1, 1, 1, 1)) if like is None else
                 convcov.patch_moment(gamma64, mu64, k, backend="numpy", **like))
         np.testing.assert_allclose(to_f64(S), want, rtol=1e-5, atol=1e-5)
+        if kind == "torch":  # a call autograd records (torch's operators take int64)
+            m = mu.detach().clone().requires_grad_()
+            S = convcov.patch_moment(gamma, m, k, backend=backend, **conv)
+            S.sum().backward()
+            np.testing.assert_allclose(to_f64(S), want, rtol=1e-5, atol=1e-5)
+            assert m.grad is not None and m.grad.shape == m.shape
     for conv in [dict(stride=2**62 + 1, padding=2**61), dict(stride=2**63, padding=2**62),
                  dict(padding=10**30, stride=10**31)]:
         Ho = (5 + 2 * conv["padding"] - 1) // conv["stride"] + 1
