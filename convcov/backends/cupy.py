@@ -8,29 +8,24 @@ torch's for torch tensors, CuPy's for CuPy arrays; for other ``__cuda_array_inte
 objects (numba device arrays) the stream ``out`` names, after the streams the inputs name
 (``convcov._arrays.launch_streams``).
 
-Design (docs/cupy.md has the byte counts and the measurements). The operation is
-memory-bound, so the kernels are built around the bytes SPEC section 5 counts:
+Design (docs/backends.md "The GPU design", docs/cupy.md). The operation is memory-bound;
+``convcov.backends._plan`` chooses, from the problem's quantities, at most three launches:
 
-* ``cc_gsum`` reads the channel-diagonal of ``gamma`` exactly once, streaming, 16 bytes a
-  load where the layout allows, and writes the per-group channel sum of
-  ``gamma + mu (x) mu``: ``T[b, g, x0, y0, x1, y1]`` (the Gram matrix of ``mu`` rides
-  along in the same pass).
-* ``cc_sbox_walk`` forms ``S[b, g, i0, j0, i1, j1]``, the kh x kw box filter of ``T``
-  along the diagonal offsets, by walks along the diagonals that keep the last kh - 1 row
-  sums in registers (kw loads an element); ``cc_sbox`` (kh*kw loads an element) takes
-  the cases the walk does not (strides or dilations along the rows, kh > 7).
-* ``cc_stream`` streams ``out[b, c0, i0, j0, (c0,) i1, j1] += c[c0] * S[b, g(c0)]`` in
-  address order, 16 bytes a load, re-reading ``S[b, g]`` from L2 (once for two channels
-  where ``out`` is 16-bit); a contiguous diagonal-layout ``out`` is one flat axpy per
-  ``(b, c0)``.
-* ``cc_direct`` does it all in one launch, the channel sum inside the box filter: for
-  problems so small that launches cost more than the arithmetic (the seed's toy), and for
-  large strides, where ``T`` would cover many positions that no output reads.
+* ``cc_gsum`` (where S is formed from T) reads the channel-diagonal of ``gamma`` exactly
+  once, streaming, 16 bytes a load where the layout allows, and writes the per-group
+  channel sum of ``gamma + mu (x) mu``: ``T[b, g, x0, y0, x1, y1]``.
+* ``cc_fused`` forms V consecutive values of a row of ``S[b, g, p0, :]`` in registers
+  (the kh x kw box filter of T, or the channel sum inside the box filter straight from
+  ``gamma`` and ``mu`` where that is fewer terms than T has elements) and adds
+  ``c[c0] * S`` into ``out``'s channel-diagonal for a chunk of the group's output
+  channels, V elements a load: S never reaches memory.
+* ``cc_stream`` (where many channels share each long row of S): ``cc_fused`` writes S,
+  and this kernel streams ``out[b, c0] += c[c0] * S[b, g]`` in address order.
 
-Scratch: S and T, one buffer of ``B*G*((Ho*Wo)**2 + (H*W)**2)`` accumulation-type
-elements, allocated stream-ordered from the arrays' library (so nothing grows with Ci*Ci
-or Co). Terms with a position in the padding are skipped (SPEC section 1), so NaN/Inf in
-``mu`` never meets a padded zero. Index arithmetic is 64-bit wherever an offset can pass
+Scratch: T and S where they are formed, one buffer of accumulation-type elements,
+allocated stream-ordered from the arrays' library (nothing grows with Ci*Ci or Co).
+Terms with a position in the padding are skipped (SPEC section 1), so NaN/Inf in ``mu``
+never meets a padded zero. Index arithmetic is 64-bit wherever an offset can pass
 2**31; the arithmetic uses explicit IEEE (non flush-to-zero) instructions because CuPy
 compiles with ``-ftz=true``; results are rounded once into ``out``'s dtype (float64 sums
 reach float16/bfloat16 through round-to-odd float32, a single correct rounding).
@@ -71,6 +66,7 @@ from .._arrays import (CAPTURED, contiguous, diag_strides, launch_streams, torch
                        torch_stream_getter, vector_width)
 from .._errors import BackendError
 from .._registry import Backend
+from . import _plan
 
 #: Dtype names -> (code used by the kernels' run-time typed loads, C++ storage type, bytes).
 _DTYPES = {
@@ -93,7 +89,8 @@ _FIELDS = (
     "sc",                                      # c (0 for a 0-d c)
     "dt_out", "dt_gamma", "dt_mu", "dt_c",     # dtype codes (_DTYPES) for run-time typed loads
     "nchunk", "chunk",                         # output channels of a group split in chunks
-    "nseg", "seg_len", "tiles",                # cc_stream: out[b, c0] as contiguous segments
+    "to_s",                                    # cc_fused writes S (c = 1), not out
+    "nseg", "seg_len",                         # cc_stream: rows of out[b, c0], their length
     "n",                                       # work items of this launch
     # the backward (patch_moment_vjp): grad_S in; grad_gamma, grad_mu out; D, link: scratch
     "gs", "gg", "gm", "dsc", "lnk",            # device addresses (0 when absent)
@@ -133,8 +130,6 @@ enum { DT_F16 = 0, DT_BF16 = 1, DT_F32 = 2, DT_F64 = 3 };
 #else
 #define GSUM_BOUNDS __launch_bounds__(THREADS)
 #endif
-#define UNROLL_DIRECT 8   // ... in cc_direct, whose problems are small: latency-bound
-                          // (16 and 32: toy's kernel no faster, H200 2026-11-30)
 
 // ---------------------------------------------------------------- bits and conversions
 __device__ __forceinline__ float u2f(unsigned u) { union { unsigned u; float f; } x; x.u = u; return x.f; }
@@ -530,214 +525,145 @@ __global__ void GSUM_BOUNDS cc_gsum(const Args a) {
   }
 }
 
-// ---------------------------------------------------------------- kernel 2: S
-// S[b, g, p0, q] = the kh x kw box filter of T along the diagonal offsets. One thread an
-// element of S, in S's flat order: consecutive threads take consecutive q (coalesced
-// reads of T, coalesced writes of S) and no thread idles at the end of a row (rows of
-// HoWo elements rarely fill whole blocks: mid's 196 left 62% of a row-per-block tile
-// idle). T is contiguous, so the term of kernel offset (ii, ji) sits at a fixed distance
-// ii * DI + ji * DJ from the term of (0, 0) whatever the stride: elements whose every
-// term is inside the input (the interior) skip the bounds checks; the others check each
-// term (the terms in the padding are skipped: SPEC section 1). The reads hit L2, so the
-// kernel is latency-bound: each thread issues UNROLL_BOX loads before it sums them.
-#define UNROLL_BOX 9
-template <typename Acc>
-__global__ void __launch_bounds__(THREADS) cc_sbox(const Args a) {
-  const int H = (int)a.H, W = (int)a.W, Wo = (int)a.Wo;
-  const i64 HoWo = a.Ho * a.Wo;
+// ---------------------------------------------------------------- kernel 2: S and out
+// One thread: V consecutive output positions q = (i1, j1) of one p0 = (i0, j0) of one
+// (b, g), and a chunk of the group's output channels. It forms those V values of
+// S[b, g, p0, :] in registers,
+//   from T (SRC_T = 1): the kh x kw box filter of T along the diagonal offset, kh*kw
+//       loads an element from L1/L2;
+//   or from gamma and mu (SRC_T = 0): the channel sum inside the box filter, Cg*kh*kw
+//       terms an element (gamma absent: the Gram matrix of mu's patches),
+// the terms walked as one flat sequence, KU of them a step with every load of a step
+// issued before its sums (the loads hit the caches: latency, not bandwidth, bounds them).
+// Then it adds c[c0] * S into out's channel-diagonal for every channel of its chunk, V
+// elements a load and a store (16 bytes where out's (i1, j1) plane is contiguous and
+// aligned: V > 1), UNROLL channels' loads in flight before their stores. S never reaches
+// memory, which is what makes a depthwise layer (S as large as out) cost what out costs.
+// Grid: x over q, y over p0, z over (b, g, chunk); y and z loop, so any size fits. Terms
+// with a position in the padding are skipped (SPEC section 1). In-plane offsets of
+// gamma's and mu's (x1, y1) are 32-bit (the host checks they fit), the rest 64-bit.
+// Blocks a multiprocessor: T source at most 80 registers, direct source at most 128.
+#ifndef UNROLL_OUT
+#define UNROLL_OUT 4
+#endif
+#ifndef FUSED_T_BLOCKS
+#define FUSED_T_BLOCKS 3
+#endif
+template <typename To, typename Tg, typename Acc, int V, int SRC_T>
+__global__ void __launch_bounds__(THREADS, SRC_T ? FUSED_T_BLOCKS : 2) cc_fused(const Args a) {
+  enum { KU = SRC_T ? (V >= 2 ? 16 / V : 8) : (V >= 2 ? (8 / V > 0 ? 8 / V : 1) : 4) };
+  const int H = (int)a.H, W = (int)a.W, Wo = (int)a.Wo, HoWo = (int)(a.Ho * a.Wo);
   const int kh = (int)a.kh, kw = (int)a.kw, sh = (int)a.sh, sw = (int)a.sw;
   const int ph = (int)a.ph, pw = (int)a.pw, dh = (int)a.dh, dw = (int)a.dw;
-  const int noff = kh * kw, span_h = (kh - 1) * dh, span_w = (kw - 1) * dw;
-  const i64 HW = a.H * a.W, DI = (i64)dh * (W * HW + W), DJ = (i64)dw * (HW + 1);
-  const Acc* T = (const Acc*)a.t;
-  Acc* S = (Acc*)a.s;
-  for (i64 e = thread_index(); e < a.n; e += grid_stride()) {
-    i64 row, q, bg, p0;
-    divmod(e, HoWo, row, q);
-    divmod(row, HoWo, bg, p0);
-    const int i0 = (int)p0 / Wo, j0 = (int)p0 - i0 * Wo;
-    const int i1 = (int)q / Wo, j1 = (int)q - i1 * Wo;
-    const int x0b = i0 * sh - ph, y0b = j0 * sw - pw;  // input positions of offset (0, 0)
-    const int x1b = i1 * sh - ph, y1b = j1 * sw - pw;
-    const bool in_all = x0b >= 0 && x0b + span_h < H && y0b >= 0 && y0b + span_w < W
-                        && x1b >= 0 && x1b + span_h < H && y1b >= 0 && y1b + span_w < W;
-    // Tq may point outside T (padding): only the terms found inside are read.
-    const Acc* Tq = T + bg * HW * HW + (i64)(x0b * W + y0b) * HW + (x1b * W + y1b);
-    Acc s = (Acc)0;
-    int ii = 0, ji = 0;
-    i64 off = 0;
-    for (int t = 0; t < noff; t += UNROLL_BOX) {
-      Acc tv[UNROLL_BOX];
+  const int dt_g = (int)a.dt_gamma, dt_mu = (int)a.dt_mu;
+  const int sg4 = (int)a.sg4, sg5 = (int)a.sg5, sm2 = (int)a.sm2, sm3 = (int)a.sm3;
+  const void* gamma = (const void*)a.gamma;
+  const void* mu = (const void*)a.mu;
+  To* out = (To*)(a.to_s ? a.s : a.out);
+  const i64 HW = (i64)H * W;
+  const int nterm = kh * kw * (SRC_T ? 1 : (int)a.Cg);
+  const i64 nz = a.B * a.G * a.nchunk, nqv = HoWo / V, nw = HoWo * nqv;
+  for (i64 z = blockIdx.z; z < nz; z += gridDim.z) {
+    i64 bg, chunk, b, g;
+    divmod(z, a.nchunk, bg, chunk);
+    divmod(bg, a.G, b, g);
+    const i64 c0_first = g * a.Cog + chunk * a.chunk;
+    const i64 c0_end = lmin(c0_first + a.chunk, (g + 1) * a.Cog);
+    for (i64 w = thread_index(); w < nw; w += grid_stride()) {
+      i64 p64, qv;
+      divmod(w, nqv, p64, qv);
+      const int p0 = (int)p64, q = (int)qv * V;
+      const int i0 = p0 / Wo, j0 = p0 - i0 * Wo;
+      int x1b[V], y1b[V];  // (x1, y1) of this thread's positions at kernel offset (0, 0)
+      const int i1q = q / Wo, j1q = q - i1q * Wo;
+      {
+        int i1 = i1q, j1 = j1q;
 #pragma unroll
-      for (int u = 0; u < UNROLL_BOX; ++u) {
-        bool in = t + u < noff;
-        if (!in_all) {
-          const int x0 = x0b + ii * dh, x1 = x1b + ii * dh;
-          const int y0 = y0b + ji * dw, y1 = y1b + ji * dw;
-          in = in && (unsigned)x0 < (unsigned)H && (unsigned)x1 < (unsigned)H
-               && (unsigned)y0 < (unsigned)W && (unsigned)y1 < (unsigned)W;
+        for (int e = 0; e < V; ++e) {
+          x1b[e] = i1 * sh - ph; y1b[e] = j1 * sw - pw;
+          if (++j1 == Wo) { j1 = 0; ++i1; }
         }
-        tv[u] = in ? ldh<0>(Tq + off) : (Acc)0;
-        off += DJ;
-        if (++ji == kw) { ji = 0; ++ii; off += DI - kw * DJ; }
       }
+      const i64 oq = i1q * a.so4 + j1q * a.so5;
+      const int x0b = i0 * sh - ph, y0b = j0 * sw - pw;
+      Acc s[V];
 #pragma unroll
-      for (int u = 0; u < UNROLL_BOX; ++u) s = aadd(s, tv[u]);
-    }
-    S[e] = s;
-  }
-}
-
-// S again, for stride 1 and dilation 1 along the rows (the usual conv): a walk along
-// each diagonal. S[., i0, j0, i0 + d, j1] is the sum over ii of the row terms
-// R(x) = sum over ji of T[x, y0b + ji*dw, x + d, y1b + ji*dw] at x = i0 - ph + ii, and
-// the next i0 on the same diagonal reuses kh - 1 of them. One thread a (b, g, d, j0, j1),
-// j1 fastest (coalesced T reads and S writes), walking i0: kw loads an element instead of
-// kh*kw (cc_sbox's nine loads of a 3x3 kernel made it L2-bound: big's S 421 -> 150 us on
-// the H200, 2026-11-30; ncu: still latency-bound, 58% of the stalls wait for T). Row sums are summed fresh each step (no running subtraction:
-// Inf - Inf would turn a sum into NaN). The last kh - 1 row sums live in registers: KH
-// is kh when the host instantiated it (3), else 0 (kh <= WALK_KMAX, unrolled selects).
-// U steps' loads are issued before their sums; with the width a compile-time constant
-// (KW: 3, else 0 for any kw) every column's too: a warp issues in order, and with kw read
-// at run time each column's adds held the next column's loads until its data came
-// (sm_90 SASS: three memory latencies a round instead of one). A term outside the input
-// or in a column in the padding is a 0 then, added to a sum that starts at +0 (the same
-// bits as leaving it out: such a sum is never -0).
-#define WALK_KMAX 7
-#ifndef WALK_BACKWARDS
-#define WALK_BACKWARDS 1
-#endif
-#ifndef WALK_INNER  // the inner rounds below (0: every round bounds-tested, an A/B knob)
-#define WALK_INNER 1
-#endif
-// The ring of the last kh - 1 row sums, oldest first, after ``r`` joined it.
-template <typename Acc, int KH, int RS>
-__device__ __forceinline__ void ring_push(Acc (&ring)[RS], Acc r, int kh) {
+      for (int e = 0; e < V; ++e) s[e] = (Acc)0;
+      int ii = 0, ji = 0, ci = 0;  // the next term's kernel offset (and channel)
+      for (int t0 = 0; t0 < nterm; t0 += KU) {
+        if (SRC_T) {
+          Acc tv[KU][V];
 #pragma unroll
-  for (int v = 0; v < RS - 1; ++v) ring[v] = KH > 0 || v + 1 < kh - 1 ? ring[v + 1] : r;
-  ring[RS - 1] = r;
-}
-template <typename Acc, int KH, int KW, int U>
-__global__ void __launch_bounds__(THREADS) cc_sbox_walk(const Args a) {
-  enum { R = KH > 0 ? KH - 1 : WALK_KMAX - 1, RS = R > 0 ? R : 1 };  // ring size
-  enum { KWA = KW > 0 ? KW : 1 };  // the loads-first arrays' width (used when KW > 0)
-  const int H = (int)a.H, W = (int)a.W, Ho = (int)a.Ho, Wo = (int)a.Wo;
-  const int kh = KH > 0 ? KH : (int)a.kh, kw = KW > 0 ? KW : (int)a.kw, sw = (int)a.sw;
-  const int ph = (int)a.ph, pw = (int)a.pw, dw = (int)a.dw, nd = 2 * Ho - 1, WoWo = Wo * Wo;
-  const i64 HW = a.H * a.W, HoWo = a.Ho * a.Wo, DI = a.W * HW + a.W, DJ = a.dw * (HW + 1);
-  // Planes of T and S under 2**31 elements (the usual case): 32-bit offsets in them.
-  const bool narrow = HW * HW < 0x80000000ll && HoWo * HoWo < 0x80000000ll;
-  const Acc* T = (const Acc*)a.t;
-  Acc* S = (Acc*)a.s;
-  for (i64 e = thread_index(); e < a.n; e += grid_stride()) {
-    i64 bgd, jj, bg, dd;
-    divmod(e, WoWo, bgd, jj);
-    divmod(bgd, nd, bg, dd);
-    // The (b, g) planes last to first: the end of T, which cc_gsum wrote last, is still
-    // in L2, and the S left in L2 at the end is the S that cc_stream reads first.
-    if (WALK_BACKWARDS) bg = a.B * a.G - 1 - bg;
-    const int d = (int)dd - (Ho - 1), j0 = (int)jj / Wo, j1 = (int)jj - j0 * Wo;
-    const int y0b = j0 * sw - pw, y1b = j1 * sw - pw;
-    unsigned cols = 0;  // bit ji: both columns of kernel offset ji inside the input
-    for (int ji = 0; ji < kw; ++ji) {
-      const int y0 = y0b + ji * dw, y1 = y1b + ji * dw;
-      if ((unsigned)y0 < (unsigned)W && (unsigned)y1 < (unsigned)W) cols |= 1u << ji;
-    }
-    const int i0s = d < 0 ? -d : 0, i0e = d > 0 ? Ho - d : Ho;  // i0 + d stays in [0, Ho)
-    const int xlo = d < 0 ? -d : 0, xhi = d > 0 ? H - d : H;   // rows x with x, x + d inside
-    // Row x of this diagonal starts at Tb + x * DI (x may be outside: only read inside).
-    const Acc* Tb = T + bg * HW * HW + (i64)d * a.W + (i64)y0b * HW + y1b;
-    Acc* Sd = S + bg * HoWo * HoWo + (i64)j0 * HoWo + (i64)d * Wo + j1;
-    const i64 DS = HoWo * Wo + Wo;  // S's step from i0 to i0 + 1 on the diagonal
-    const int DI32 = (int)DI, DJ32 = (int)DJ, DS32 = (int)DS;  // used when narrow
-    Acc ring[RS];  // ring[ii] = R(i0 - ph + ii), ii < kh - 1
+          for (int u = 0; u < KU; ++u) {
+            const int dx = ii * dh, dy = ji * dw, x0 = x0b + dx, y0 = y0b + dy;
+            const bool row = t0 + u < nterm && (unsigned)x0 < (unsigned)H && (unsigned)y0 < (unsigned)W;
+            const Acc* tr = (const Acc*)a.t + (bg * HW + (row ? x0 * W + y0 : 0)) * HW;
 #pragma unroll
-    for (int v = 0; v < RS; ++v) ring[v] = (Acc)0;
-    int x = i0s - ph;
-    for (int ii = 0; ii < kh - 1; ++ii, ++x) {  // the first kh - 1 row sums
-      Acc r = (Acc)0;
-      if (KW > 0) {
-        Acc tv[KWA];
-#pragma unroll
-        for (int ji = 0; ji < KWA; ++ji)
-          tv[ji] = x >= xlo && x < xhi && (cols >> ji & 1u) ? ldh<0>(Tb + x * DI + ji * DJ)
-                                                            : (Acc)0;
-#pragma unroll
-        for (int ji = 0; ji < KWA; ++ji) r = aadd(r, tv[ji]);
-      } else if (x >= xlo && x < xhi) {
-        for (int ji = 0; ji < kw; ++ji)
-          if (cols >> ji & 1u) r = aadd(r, ldh<0>(Tb + x * DI + ji * DJ));
-      }
-      ring_push<Acc, KH, RS>(ring, r, kh);
-    }
-    int i0 = i0s;
-    // Inner rounds first: every row inside, all U steps on the diagonal, and 32-bit
-    // offsets (narrow): no bounds tests and one multiply-add an address, 21 instructions
-    // a step (sm_90 SASS). With the tests and 64-bit offsets of the rounds below every
-    // round took 74 a step and the walk was issue-bound (ncu, big-f16: 80M warp
-    // instructions in 109 us, a warp issuing every 11.9 cycles): big-f16's walk
-    // 108.4 -> 88.1 us, mid's 6.9 -> 5.3 us, same bits (H200, 2026-11-30, ab42.py).
-    // Columns or the first rounds in the padding take the loop below.
-    const bool all_cols = cols == (1u << kw) - 1u;
-    for (; WALK_INNER && KW > 0 && narrow && all_cols && i0 + U <= i0e && x >= xlo && x + U <= xhi;
-         i0 += U, x += U) {
-      Acc tv[KWA][U];
-#pragma unroll
-      for (int ji = 0; ji < KWA; ++ji) {
-        const Acc* Tc = Tb + (x * DI32 + ji * DJ32);
-#pragma unroll
-        for (int u = 0; u < U; ++u) tv[ji][u] = ldh<0>(Tc + u * DI32);
-      }
-      Acc* Sr = Sd + i0 * DS32;
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        Acc r = (Acc)0;
-#pragma unroll
-        for (int ji = 0; ji < KWA; ++ji) r = aadd(r, tv[ji][u]);
-        Acc s = (Acc)0;
-#pragma unroll
-        for (int v = 0; v < R; ++v) if (KH > 0 || v < kh - 1) s = aadd(s, ring[v]);
-        Sr[u * DS32] = aadd(s, r);
-        ring_push<Acc, KH, RS>(ring, r, kh);
-      }
-    }
-    for (; i0 < i0e; i0 += U, x += U) {  // then U new ones a round
-      Acc rs[U];
-#pragma unroll
-      for (int u = 0; u < U; ++u) rs[u] = (Acc)0;
-      if (KW > 0) {  // every column's loads, then the sums
-        Acc tv[KWA][U];
-#pragma unroll
-        for (int ji = 0; ji < KWA; ++ji)
-#pragma unroll
-          for (int u = 0; u < U; ++u) {
-            const bool in = (cols >> ji & 1u) && i0 + u < i0e && x + u >= xlo && x + u < xhi;
-            tv[ji][u] = in ? ldh<0>(Tb + (x + u) * DI + ji * DJ) : (Acc)0;
+            for (int e = 0; e < V; ++e) {
+              const int x1 = x1b[e] + dx, y1 = y1b[e] + dy;
+              tv[u][e] = row && (unsigned)x1 < (unsigned)H && (unsigned)y1 < (unsigned)W
+                         ? ldh<0>(tr + x1 * W + y1) : (Acc)0;
+            }
+            if (++ji == kw) { ji = 0; ++ii; }
           }
 #pragma unroll
-        for (int ji = 0; ji < KWA; ++ji)
+          for (int u = 0; u < KU; ++u)
 #pragma unroll
-          for (int u = 0; u < U; ++u) rs[u] = aadd(rs[u], tv[ji][u]);
-      }
-      for (int ji = 0; KW == 0 && ji < kw; ++ji) {
-        if (!(cols >> ji & 1u)) continue;
-        Acc tv[U];
+            for (int e = 0; e < V; ++e) s[e] = aadd(s[e], tv[u][e]);
+        } else {
+          Acc m0[KU], gv[KU][V], m1[KU][V];
+          unsigned present[KU];  // bit e: term u is inside the input for element e
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
-          const bool in = i0 + u < i0e && x + u >= xlo && x + u < xhi;
-          tv[u] = in ? ldh<0>(Tb + (x + u) * DI + ji * DJ) : (Acc)0;
+          for (int u = 0; u < KU; ++u) {
+            const int dx = ii * dh, dy = ji * dw, x0 = x0b + dx, y0 = y0b + dy;
+            const bool row = t0 + u < nterm && (unsigned)x0 < (unsigned)H && (unsigned)y0 < (unsigned)W;
+            const i64 cig = g * a.Cg + ci;
+            const i64 om = b * a.sm0 + cig * a.sm1;
+            const i64 og = b * a.sg0 + cig * a.sg1 + x0 * a.sg2 + y0 * a.sg3;
+            m0[u] = row ? Ld<Acc, Tg>::one(mu, om + x0 * sm2 + y0 * sm3, dt_mu) : (Acc)0;
+            present[u] = 0;
+#pragma unroll
+            for (int e = 0; e < V; ++e) {
+              const int x1 = x1b[e] + dx, y1 = y1b[e] + dy;
+              const bool in = row && (unsigned)x1 < (unsigned)H && (unsigned)y1 < (unsigned)W;
+              present[u] |= (unsigned)in << e;
+              gv[u][e] = in && gamma ? Ld<Acc, Tg>::one(gamma, og + (x1 * sg4 + y1 * sg5), dt_g)
+                                     : (Acc)0;
+              m1[u][e] = in ? Ld<Acc, Tg>::one(mu, om + (x1 * sm2 + y1 * sm3), dt_mu) : (Acc)0;
+            }
+            if (++ci == (int)a.Cg) { ci = 0; if (++ji == kw) { ji = 0; ++ii; } }
+          }
+          // An absent term is skipped, not added as 0 * mu: mu may be Inf.
+#pragma unroll
+          for (int u = 0; u < KU; ++u)
+#pragma unroll
+            for (int e = 0; e < V; ++e)
+              if ((present[u] >> e) & 1u) s[e] = afma(m0[u], m1[u][e], aadd(s[e], gv[u][e]));
         }
-#pragma unroll
-        for (int u = 0; u < U; ++u) rs[u] = aadd(rs[u], tv[u]);
       }
+      To* op = out + b * a.so0 + i0 * a.so2 + j0 * a.so3 + oq;
+      if (a.to_s) {  // S itself (Acc = To): stored, not added
+        To o[V];
 #pragma unroll
-      for (int u = 0; u < U; ++u) {
-        if (i0 + u < i0e) {
-          Acc s = (Acc)0;
+        for (int e = 0; e < V; ++e) Cv<Acc>::to(o[e], s[e]);
+        stv<To, V, 0>(op + c0_first * a.so1, o);
+        continue;
+      }
+      for (i64 c0 = c0_first; c0 < c0_end; c0 += UNROLL_OUT) {
+        Raw<To, V> old[UNROLL_OUT];
 #pragma unroll
-          for (int v = 0; v < R; ++v) if (KH > 0 || v < kh - 1) s = aadd(s, ring[v]);
-          Sd[(i64)(i0 + u) * DS] = aadd(s, rs[u]);
-          ring_push<Acc, KH, RS>(ring, rs[u], kh);
+        for (int u = 0; u < UNROLL_OUT; ++u)
+          if (c0 + u < c0_end) ldraw<To, V, 1>(op + (c0 + u) * a.so1, old[u]);
+#pragma unroll
+        for (int u = 0; u < UNROLL_OUT; ++u) {
+          if (c0 + u < c0_end) {
+            const Acc cv = c_of<Acc>(a, c0 + u);
+            To o[V];
+            unpack<To, V>(old[u], o);
+#pragma unroll
+            for (int e = 0; e < V; ++e) Cv<Acc>::to(o[e], afma(cv, s[e], Cv<Acc>::from(o[e])));
+            stv<To, V, 1>(op + (c0 + u) * a.so1, o);
+          }
         }
       }
     }
@@ -745,180 +671,49 @@ __global__ void __launch_bounds__(THREADS) cc_sbox_walk(const Args a) {
 }
 
 // ---------------------------------------------------------------- kernel 3: out += c * S
-// A streaming kernel. out[b, c0] is nseg segments of seg_len elements that are
-// contiguous in out and in S[b, g]: one segment (the whole (i0, j0, i1, j1) plane, for
-// a contiguous diagonal-layout out) or one per (i0, j0). A block takes a tile of
-// THREADS * P vector positions (consecutive threads: consecutive vectors of up to 16
-// bytes) for CH output channels of one group; each thread loads its P vectors of S once
-// for its CH channels and has all SU = P * CH vectors of out in flight before its first
-// store. V == 1 (any strides): one segment per (i0, j0), (i1, j1) through out's strides.
-// The loads of out are kept as raw 16-byte words until used: unpacking float16 right
-// after each load made every load wait for the one before (one destination register in
-// the SASS; big-f16's update 2051 -> 1717 us on the H200, 2026-11-30).
-// CH = 2 for 16-bit out with float32 sums: each 16-byte vector of out needs 32 bytes of
-// S, and sharing them between two channels took big-f16's update from 1717 to 1676 us;
-// for float32 out it cost time (3300 -> 3365 us), so CH = 1 there (the host picks CH,
-// _stream_ch). Keep the launch bounds as they are: naming a minimum of 1 block a
-// multiprocessor let nvcc take 90 registers instead of 80 for float32 (2 blocks instead
-// of 3): big-f32 6106 -> 6745 us.
-// ROWS = 1 (the host checks it applies): segments contiguous in out whose (i0, j0) rows
-// are at one stride (so2 == Wo * so3, a contiguous full-layout out), and fewer than 2**31
-// vector positions. A thread then finds its P positions with one 32-bit division: the
-// next is THREADS vectors on, dr rows and dv vectors (one row more when they wrap),
-// instead of two divisions a position: 63 registers and 584 SASS instructions against 73
-// and 984 (float32, NVRTC 13.5), mid's GPU part 103.3-103.6 -> 99.4-99.6 us on the H200,
-// same bits (2026-11-30, ab53.py).
-#define STREAM_SU 4
-template <typename To, typename Acc, int V, int CH, int ROWS>
+// Where each group has many output channels, S (Co / G times smaller than out) is written
+// once by cc_fused (to_s) and out is streamed in address order, as a copy is: per (b, c0),
+// its nseg rows of seg_len contiguous elements (one row for a contiguous block, else one
+// per p0), V elements a load, STREAM_U loads a thread in flight, S re-read from L2.
+// Grid: x over a row's vectors, y over rows, z over (b, c0); each loops.
+#define STREAM_U 4
+template <typename To, typename Acc, int V>
 __global__ void __launch_bounds__(THREADS) cc_stream(const Args a) {
-  // Out's loads: evict-first (.cs) for 16-bit out, the read-only path (.nc) for wider
-  // (correct here: each element is loaded once, by the thread that then stores it, and its
-  // store depends on the load); stores plain. A/B on the H200 (2026-11-30, against .cs
-  // loads and stores): big-f32's update 3300-3307 -> 3243 us, big-f16's 1678 -> 1667 us.
-  enum { P = STREAM_SU / CH, LH = sizeof(To) == 2 ? 1 : 0 };
   const int Wo = (int)a.Wo;
-  const i64 HoWo = a.Ho * a.Wo, L = a.seg_len, nvec = L / V, nf = a.nseg * nvec;
-  const i64 ncb = (a.Cog + CH - 1) / CH;
-  const i64 ntiles = a.B * a.G * ncb * a.tiles;
-  To* out = (To*)a.out;
-  const Acc* S = (const Acc*)a.s;
-  for (i64 tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
-    i64 r1, tin, bg, cb, b, g;
-    divmod(tile, a.tiles, r1, tin);  // neighbouring blocks: neighbouring memory
-    divmod(r1, ncb, bg, cb);
-    divmod(bg, a.G, b, g);
-    const i64 c0_first = g * a.Cog + cb * CH;
-    const int nch = (int)lmin(CH, (g + 1) * a.Cog - c0_first);  // channels of this tile
-    const Acc* Sb = S + bg * HoWo * HoWo;
-    To* ob = out + b * a.so0 + c0_first * a.so1;
-    i64 oo[P];
-    bool ok[P];
-    Acc sv[P][V];
-    Raw<To, V> ov[P][CH];
-    unsigned rr = 0, vv = 0;
-    const unsigned nv = ROWS ? (unsigned)nvec : 1u, dr = ROWS ? THREADS / nv : 0u,
-                   dv = THREADS - dr * nv;
-    if (ROWS) {
-      const unsigned f0 = (unsigned)(tin * (THREADS * P)) + threadIdx.x;
-      rr = f0 / nv;
-      vv = f0 - rr * nv;
-    }
+  const i64 HoWo = a.Ho * a.Wo, nv = a.seg_len / V, Co = a.G * a.Cog;
+  const i64 step = (i64)gridDim.x * STREAM_U * blockDim.x;
+  for (i64 z = blockIdx.z; z < a.B * Co; z += gridDim.z) {
+    i64 b, c0;
+    divmod(z, Co, b, c0);
+    const Acc cv = c_of<Acc>(a, c0);
+    const Acc* s_bg = (const Acc*)a.s + (b * a.G + c0 / a.Cog) * HoWo * HoWo;
+    for (i64 r = blockIdx.y * blockDim.y + threadIdx.y; r < a.nseg; r += (i64)gridDim.y * blockDim.y) {
+      const int i0 = (int)r / Wo, j0 = (int)r - i0 * Wo;
+      To* o = (To*)a.out + b * a.so0 + c0 * a.so1 + (a.nseg > 1 ? i0 * a.so2 + j0 * a.so3 : 0);
+      const Acc* sr = s_bg + r * a.seg_len;
+      for (i64 n0 = (i64)blockIdx.x * STREAM_U * blockDim.x + threadIdx.x; n0 < nv; n0 += step) {
+        Raw<To, V> old[STREAM_U];
+        Acc sv[STREAM_U][V];
 #pragma unroll
-    for (int k = 0; k < P; ++k) {
-      const i64 f = tin * (THREADS * P) + k * THREADS + threadIdx.x;
-      ok[k] = f < nf;
-      i64 off, s_off;
-      if (ROWS) {
-        if (k > 0) {
-          rr += dr;
-          vv += dv;
-          if (vv >= nv) {
-            vv -= nv;
-            ++rr;
+        for (int u = 0; u < STREAM_U; ++u) {
+          const i64 n = n0 + (i64)u * blockDim.x;
+          if (n < nv) {
+            ldraw<To, V, 1>(o + n * V, old[u]);
+            ldv_as<Acc, Acc, V>(sr, n * V, sv[u]);
           }
         }
-        off = (i64)rr * a.so3 + (i64)(vv * V);
-        s_off = f * V;
-      } else if (a.nseg == 1) {  // one flat axpy: no index arithmetic
-        off = f * V;
-        s_off = f * V;
-      } else {
-        i64 r, v;
-        divmod(f, nvec, r, v);
-        const int i0 = (int)r / Wo, j0 = (int)r - i0 * Wo;
-        off = i0 * a.so2 + j0 * a.so3;
-        if (V > 1) {
-          off += v * V;
-        } else {
-          const int i1 = (int)v / Wo, j1 = (int)v - i1 * Wo;
-          off += i1 * a.so4 + j1 * a.so5;
-        }
-        s_off = r * L + v * V;
-      }
-      oo[k] = off;
-      if (ok[k]) {
-        ldv<Acc, V, 0>(Sb + s_off, sv[k]);
 #pragma unroll
-        for (int ch = 0; ch < CH; ++ch)
-          if (ch == 0 || ch < nch) ldraw<To, V, LH>(ob + ch * a.so1 + off, ov[k][ch]);
-      }
-    }
-    Acc cc[CH];
+        for (int u = 0; u < STREAM_U; ++u) {
+          const i64 n = n0 + (i64)u * blockDim.x;
+          if (n < nv) {
+            To t[V];
+            unpack<To, V>(old[u], t);
 #pragma unroll
-    for (int ch = 0; ch < CH; ++ch) cc[ch] = ch == 0 || ch < nch ? c_of<Acc>(a, c0_first + ch) : (Acc)0;
-#pragma unroll
-    for (int k = 0; k < P; ++k) {
-      if (ok[k]) {
-#pragma unroll
-        for (int ch = 0; ch < CH; ++ch) {
-          if (ch == 0 || ch < nch) {
-            To o[V];
-            unpack<To, V>(ov[k][ch], o);
-#pragma unroll
-            for (int e = 0; e < V; ++e) Cv<Acc>::to(o[e], afma(cc[ch], sv[k][e], Cv<Acc>::from(o[e])));
-            stv<To, V, 0>(ob + ch * a.so1 + oo[k], o);
+            for (int e = 0; e < V; ++e) Cv<Acc>::to(t[e], afma(cv, sv[u][e], Cv<Acc>::from(t[e])));
+            stv<To, V, 1>(o + n * V, t);
           }
         }
       }
-    }
-  }
-}
-
-// ---------------------------------------------------------------- one-launch kernel
-// S straight from gamma and mu (the channel sum inside the box filter), then out; any
-// strides. T is the storage type of out, gamma and mu, or anyt (run-time typed, for
-// mixed dtypes). The (ii, ji, ci) terms are walked as one flat sequence, UNROLL_DIRECT at a
-// time with predicated loads: small problems are latency-bound, so the loads of several
-// terms must be in flight together.
-template <typename T, typename Acc>
-__global__ void __launch_bounds__(THREADS) cc_direct(const Args a) {
-  const int H = (int)a.H, W = (int)a.W, Wo = (int)a.Wo, HoWo = (int)(a.Ho * a.Wo);
-  const int kh = (int)a.kh, kw = (int)a.kw, sh = (int)a.sh, sw = (int)a.sw;
-  const int ph = (int)a.ph, pw = (int)a.pw, dh = (int)a.dh, dw = (int)a.dw;
-  const void* gamma = (const void*)a.gamma;
-  const void* mu = (const void*)a.mu;
-  void* out = (void*)a.out;
-  const int dt_g = (int)a.dt_gamma, dt_mu = (int)a.dt_mu, dt_out = (int)a.dt_out;
-  const i64 Cg = a.Cg, nterm = (i64)kh * kw * Cg;
-  for (i64 idx = thread_index(); idx < a.n; idx += grid_stride()) {
-    i64 r1, q, row, chunk, bg, p0, b, g;
-    divmod(idx, HoWo, r1, q);
-    divmod(r1, a.nchunk, row, chunk);
-    divmod(row, HoWo, bg, p0);
-    divmod(bg, a.G, b, g);
-    const int i0 = (int)p0 / Wo, j0 = (int)p0 - i0 * Wo;
-    const int i1 = (int)q / Wo, j1 = (int)q - i1 * Wo;
-    const i64 ci0 = g * Cg;
-    const i64 og_b = b * a.sg0 + ci0 * a.sg1, om_b = b * a.sm0 + ci0 * a.sm1;
-    Acc s = (Acc)0;
-    int ii = 0, ji = 0;
-    i64 ci = 0;
-    for (i64 t = 0; t < nterm; t += UNROLL_DIRECT) {
-      Acc gv[UNROLL_DIRECT], m0[UNROLL_DIRECT], m1[UNROLL_DIRECT];
-#pragma unroll
-      for (int u = 0; u < UNROLL_DIRECT; ++u) {
-        const int x0 = i0 * sh + ii * dh - ph, x1 = i1 * sh + ii * dh - ph;
-        const int y0 = j0 * sw + ji * dw - pw, y1 = j1 * sw + ji * dw - pw;
-        const bool in = t + u < nterm && (unsigned)x0 < (unsigned)H && (unsigned)x1 < (unsigned)H
-                        && (unsigned)y0 < (unsigned)W && (unsigned)y1 < (unsigned)W;
-        const i64 og = og_b + ci * a.sg1 + x0 * a.sg2 + y0 * a.sg3 + x1 * a.sg4 + y1 * a.sg5;
-        const i64 om0 = om_b + ci * a.sm1 + x0 * a.sm2 + y0 * a.sm3;
-        const i64 om1 = om_b + ci * a.sm1 + x1 * a.sm2 + y1 * a.sm3;
-        gv[u] = in && gamma ? Ld<Acc, T>::one(gamma, og, dt_g) : (Acc)0;
-        m0[u] = in ? Ld<Acc, T>::one(mu, om0, dt_mu) : (Acc)0;
-        m1[u] = in ? Ld<Acc, T>::one(mu, om1, dt_mu) : (Acc)0;
-        if (++ci == Cg) { ci = 0; if (++ji == kw) { ji = 0; ++ii; } }
-      }
-#pragma unroll
-      for (int u = 0; u < UNROLL_DIRECT; ++u) s = afma(m0[u], m1[u], aadd(s, gv[u]));
-    }
-    const i64 c0_first = g * a.Cog + chunk * a.chunk;
-    const i64 c0_end = lmin(c0_first + a.chunk, (g + 1) * a.Cog);
-    const i64 oo = b * a.so0 + i0 * a.so2 + j0 * a.so3 + i1 * a.so4 + j1 * a.so5;
-    for (i64 c0 = c0_first; c0 < c0_end; ++c0) {
-      const i64 o = oo + c0 * a.so1;
-      const Acc old = Ld<Acc, T>::one_stream(out, o, dt_out);
-      Ld<Acc, T>::put(out, o, dt_out, afma(c_of<Acc>(a, c0), s, old));
     }
   }
 }
@@ -1083,39 +878,13 @@ __global__ void __launch_bounds__(THREADS) cc_vjp_mu(const Args a) {
 }
 """
 
-_THREADS = 256
-_DIRECT_TERMS = 1 << 22  # below this many S terms, one launch beats two (launch-bound)
-# ... and when the box filter reads few positions of T (large strides), T is mostly waste:
-# one launch when kh*kw*(Ho*Wo)**2 <= _DIRECT_RATIO * (H*W)**2.
-_DIRECT_RATIO = 2
+_THREADS = _plan.THREADS
 _OPTIONS = ("-std=c++14",)
 _MU_CPT = 16  # channels a thread of cc_vjp_mu sums (MU_CPT in SOURCE)
-_STREAM_SU = 4  # cc_stream's vectors of out in flight a thread (STREAM_SU in SOURCE)
-#: cc_stream's ROWS variant where it applies (a full-layout out's evenly spaced rows: one
-#: index division a thread; mid's GPU part 103.5 -> 99.5 us, SOURCE); False: the general
-#: one everywhere (an A/B knob).
-_STREAM_ROWS = True
-#: S by walks along its diagonals (cc_sbox_walk) where the rows have stride 1 and
-#: dilation 1 and kh <= WALK_KMAX; else one thread an element (cc_sbox).
-_SBOX_WALK = True
-_WALK_KMAX = 7  # WALK_KMAX in SOURCE
-#: Steps a walk issues the loads of at once (U in SOURCE). With the width read at run time
-#: 8 beat 4 (big's S 165 -> 150 us); with the 3x3 width compiled in, 4 steps (44
-#: registers) beat 8 (48), 16 (86) and 2 (48): big-f16's walk 115.5 -> 109 us (H200,
-#: 2026-11-30, ab32.py, ab35.py).
-_WALK_U = 4
-#: The 3x3 walk with its width a compile-time constant (KW = 3 in SOURCE: every column's
-#: loads of a round issued before their sums); False: the width read at run time.
-_WALK_KW = True
+
 #: Channels of grad_gamma one cc_vjp_gamma thread stores (None: all of the group's, split
 #: only when that under-fills the device). Not yet measured on the H200: a knob to try.
 _VJP_CHUNK = None
-
-
-def _stream_ch(out_cxx, acc_cxx):
-    """Output channels a cc_stream thread updates from each S vector it loads (CH in
-    SOURCE): 2 where 16-bit out meets float32 S (S is the larger stream), else 1."""
-    return 2 if out_cxx in ("f16", "bf16") and acc_cxx == "float" else 1
 
 
 def _widths(itemsize):
@@ -1126,8 +895,6 @@ def _widths(itemsize):
 def _family_names(family):
     """name_expressions of one RawModule: a storage type and an accumulation type."""
     kind, cxx, acc = family
-    if kind == "generic":
-        return [f"cc_direct<anyt, {acc}>"]
     if kind == "vjp":  # the backward: grad_gamma stored as cxx (or only D, stored as acc)
         stores = dict.fromkeys((cxx, acc))
         return ([f"cc_vjp_gamma<{t}, {acc}, {v}>" for t in stores
@@ -1136,11 +903,9 @@ def _family_names(family):
     size = {"f16": 2, "bf16": 2, "float": 4, "double": 8}[cxx]
     return ([f"cc_gsum<{cxx}, {cxx}, {acc}, {v}>" for v in _widths(size)]
             + [f"cc_gsum<{cxx}, anyt, {acc}, 1>"]
-            + [f"cc_stream<{cxx}, {acc}, {v}, {_stream_ch(cxx, acc)}, {rows}>"
-               for v in _widths(size) for rows in (0, 1)]
-            + [f"cc_sbox<{acc}>", f"cc_direct<{cxx}, {acc}>"]
-            + [f"cc_sbox_walk<{acc}, {kh}, {kw}, {_WALK_U}>"
-               for kh, kw in ((0, 0), (3, 0), (3, 3))])
+            + [f"cc_fused<{cxx}, {tg}, {acc}, {v}, {src_t}>" for v in _widths(size)
+               for tg, src_t in ((cxx, 0), ("anyt", 0), (cxx, 1))]
+            + [f"cc_stream<{cxx}, {acc}, {v}>" for v in _widths(size)])
 
 
 #: The kernels' ``Args`` struct as a NumPy dtype: ``_ARGS_STRUCT``'s layout (every field 8
@@ -1156,25 +921,26 @@ _BLOCK = (_THREADS,)
 
 
 class _Launch:
-    """One kernel launch of a plan: the kernel (a ``cupy.RawKernel``), its grid (blocks of
-    ``_THREADS``), and its Args as an int64 template with the address slots empty."""
+    """One kernel launch of a plan: the kernel (a ``cupy.RawKernel``), its grid and block
+    (tuples), and its Args as an int64 template with the address slots empty."""
 
-    __slots__ = ("func", "grid", "args")
+    __slots__ = ("func", "grid", "block", "args")
 
-    def __init__(self, func, grid, args):
-        self.func, self.grid, self.args = func, grid, args
+    def __init__(self, func, grid, block, args):
+        self.func, self.grid, self.block, self.args = func, grid, block, args
 
 
 class _Launches:
     """A plan's launches, their Args templates as one int64 array (a row a launch) that a
-    call copies and fills (``_fill``), and (kernel, grid) per launch for ``_launch_all``."""
+    call copies and fills (``_fill``), and (kernel, grid, block) per launch for
+    ``_launch_all``."""
 
     __slots__ = ("launches", "template", "calls")
 
     def __init__(self, launches):
         self.launches = launches
         self.template = np.stack([ln.args for ln in launches])
-        self.calls = tuple((ln.func, (ln.grid,)) for ln in launches)
+        self.calls = tuple((ln.func, ln.grid, ln.block) for ln in launches)
 
 
 def _fill(plan, slots, values):
@@ -1191,8 +957,8 @@ def _launch_all(plan, args):
     on CuPy's current stream of the current device. Each row is viewed as a one-element
     array of ``_ARGS``; CuPy keeps it alive through the launch, and the driver has copied
     the parameters when the call returns."""
-    for (kernel, grid), a in zip(plan.calls, args.view(_ARGS)):
-        kernel(grid, _BLOCK, (a,))
+    for (kernel, grid, block), a in zip(plan.calls, args.view(_ARGS)):
+        kernel(grid, block, (a,))
 
 
 def _wait(runtime, stream, other):
@@ -1221,8 +987,8 @@ class _StreamHandle:
 
 class _Plan(_Launches):
     """The launches of one call signature, and the scratch they need: ``scratch``
-    elements of the accumulation type, S first (padded to 256 bytes), T at ``t_offset``
-    bytes."""
+    elements of the accumulation type, S first (where it goes through memory; padded to
+    256 bytes), T (where S is formed from it) at ``t_offset`` bytes."""
 
     __slots__ = ("scratch", "t_offset", "acc")
 
@@ -1333,7 +1099,7 @@ class CupyBackend(Backend):
         oi, gi, mi, ci = p.out_info, p.gamma_info, p.mu_info, p.c_info
         B, G, H, W, Ho, Wo = p.B, p.G, p.H, p.W, p.Ho, p.Wo
         Cg, Cog = p.Ci // G, p.Co // G
-        HW, HoWo = H * W, Ho * Wo
+        HW = H * W
         acc = p.acc
         acc_cxx = _ACC_CXX[acc]
         sms, threads_per_sm = self._sm_threads(dev)
@@ -1349,92 +1115,82 @@ class CupyBackend(Backend):
             sw=p.sw, ph=p.ph, pw=p.pw, dh=p.dh, dw=p.dw, sc=sc,
             dt_out=_DTYPES[oi.dtype][0], dt_gamma=_DTYPES[gi.dtype][0] if gi else 0,
             dt_mu=_DTYPES[mi.dtype][0], dt_c=_DTYPES[ci.dtype][0] if ci else 0,
-            nchunk=1, chunk=Cog, nseg=1, seg_len=1, tiles=1,
+            nchunk=1, chunk=Cog,
         )
         base.update({f"so{i}": v for i, v in enumerate(so)})
         base.update({f"sg{i}": v for i, v in enumerate(sg)})
         base.update({f"sm{i}": v for i, v in enumerate(sm)})
 
-        def launch(name, family, n, grid=None, **kw):
+        def launch(name, family, n, grid=None, block=_BLOCK, **kw):
             vals = [0] * len(_FIELDS)
             for k, v in {**base, "n": n, **kw}.items():
                 vals[_SLOT[k]] = int(v)
             if grid is None:
-                grid = -(-n // _THREADS)
-            return _Launch(self._function(name, family, dev), min(grid, 2**31 - 1),
+                grid = (min(-(-n // _THREADS), 2**31 - 1),)
+            return _Launch(self._function(name, family, dev), grid, block,
                            np.array(vals, np.int64))
 
-        def chunks(items, want):
-            # Split each group's output channels into chunks when one chunk per row
-            # would leave the device under-filled; every chunk recomputes S.
-            nchunk = max(1, min(Cog, -(-want // max(items, 1))))
-            chunk = -(-Cog // nchunk)
-            return -(-Cog // chunk), chunk
-
-        direct_terms = B * G * HoWo * HoWo * max(Cg, 1) * p.kh * p.kw
-        # Large strides: T would cover mostly positions no output reads. (Not when T is
-        # no larger than S, as for 1x1 kernels: the direct kernel's out-update, a loop
-        # over the output channels in each thread, is the slower one on large problems.)
-        sparse_t = HW * HW > HoWo * HoWo and p.kh * p.kw * HoWo * HoWo <= _DIRECT_RATIO * HW * HW
-        if direct_terms <= _DIRECT_TERMS or sparse_t:
-            items = B * G * HoWo * HoWo
-            nchunk, chunk = chunks(items, capacity)
-            # Typed when out, gamma and mu share a dtype (the usual case); else run-time typed.
-            stored = {oi.dtype, mi.dtype} | ({gi.dtype} if gi else set())
-            if len(stored) == 1:
-                cxx = _DTYPES[oi.dtype][1]
-                name, family = f"cc_direct<{cxx}, {acc_cxx}>", ("fast", cxx, acc_cxx)
-            else:
-                name, family = f"cc_direct<anyt, {acc_cxx}>", ("generic", "", acc_cxx)
-            return _Plan([launch(name, family, items * nchunk, nchunk=nchunk, chunk=chunk)],
-                         0, 0, acc)
-
-        # Kernel 1 (T) is typed on gamma's storage (mu's without gamma); mu of another
-        # dtype than gamma's is read run-time typed, one q a thread.
-        g_dtype = gi.dtype if gi else mi.dtype
-        g_cxx, g_size = _DTYPES[g_dtype][1], _DTYPES[g_dtype][2]
         m_size = _DTYPES[mi.dtype][2]
-        mu_vec = (m_size, (sm[2], sm[3]), (sm[0], sm[1]), mi.ptr)
-        m_cxx = g_cxx if mi.dtype == g_dtype else "anyt"
-        if m_cxx == "anyt":
-            v1 = 1
-        elif gi is None:
-            v1 = vector_width(m_size, HW, (sm[2], sm[3]), (H, W), (sm[0], sm[1]), mi.ptr)
-        else:
-            v1 = vector_width(g_size, HW, (sg[4], sg[5]), (H, W), sg[:4], gi.ptr, (mu_vec,))
-        launches = []
-        n1 = B * G * HW * (HW // v1)
-        if n1:
-            launches.append(launch(f"cc_gsum<{g_cxx}, {m_cxx}, {acc_cxx}, {v1}>",
-                                   ("fast", g_cxx, acc_cxx), n1))
         o_cxx, o_size = _DTYPES[oi.dtype][1], _DTYPES[oi.dtype][2]
-        family = ("fast", o_cxx, acc_cxx)
-        # S, then out streamed in address order. A contiguous (i0, j0, i1, j1) block of
-        # out is one segment a (b, c0): a plain axpy with S[b, g], vectorised when its
-        # length and alignment allow; otherwise one segment per (i0, j0).
-        n_s = B * G * HoWo * HoWo
-        if _SBOX_WALK and p.sh == 1 and p.dh == 1 and p.kh <= _WALK_KMAX:
-            kh = 3 if p.kh == 3 else 0  # the instantiated shapes (KH, KW in SOURCE)
-            kw = 3 if kh == 3 and p.kw == 3 and _WALK_KW else 0
-            launches.append(launch(f"cc_sbox_walk<{acc_cxx}, {kh}, {kw}, {_WALK_U}>", family,
-                                   B * G * (2 * Ho - 1) * Wo * Wo))
+        HoWo = Ho * Wo
+        # out's vector width along its (i1, j1) plane (1: any strides).
+        v = vector_width(o_size, HoWo, (so[4], so[5]), (Ho, Wo), so[:4], oi.ptr)
+        # The direct source's in-plane offsets of gamma and mu are 32-bit.
+        fits = all(abs(sx) * (H - 1) + abs(sy) * (W - 1) < 2**31
+                   for sx, sy in ((sg[4], sg[5]), (sm[2], sm[3])))
+        acc_size = 8 if acc == "float64" else 4
+        # S through memory, then out streamed (cc_stream): out's rows must be contiguous.
+        stream = (contiguous((so[4], so[5]), (Ho, Wo))
+                  and _plan.stream_s(Cog, Ho, Wo))
+        launches = []
+        if _plan.direct_source(B, G, Cg, H, W, Ho, Wo, p.kh, p.kw) and fits:
+            src_t = 0
         else:
-            launches.append(launch(f"cc_sbox<{acc_cxx}>", family, n_s))
-        if contiguous(so[2:], (Ho, Wo, Ho, Wo)):
-            nseg, seg_len = 1, HoWo * HoWo
-            v3 = vector_width(o_size, seg_len, so[2:], (Ho, Wo, Ho, Wo), so[:2], oi.ptr)
-        else:
-            nseg, seg_len = HoWo, HoWo
-            v3 = vector_width(o_size, HoWo, (so[4], so[5]), (Ho, Wo), so[:4], oi.ptr)
-        ch = _stream_ch(o_cxx, acc_cxx)
-        tiles = -(-nseg * (seg_len // v3) // (_THREADS * (_STREAM_SU // ch)))
-        # ROWS (SOURCE): rows at one stride, positions in 32 bits
-        rows = int(_STREAM_ROWS and nseg > 1 and contiguous((so[4], so[5]), (Ho, Wo))
-                   and so[2] == Wo * so[3] and tiles * _THREADS * _STREAM_SU < 2**31)
-        launches.append(launch(f"cc_stream<{o_cxx}, {acc_cxx}, {v3}, {ch}, {rows}>", family, 0,
-                               grid=B * G * -(-Cog // ch) * tiles, nseg=nseg,
-                               seg_len=seg_len, tiles=tiles))
-        return _Plan(launches, n_s, B * G * HW * HW, acc)
+            src_t = 1
+            # Kernel 1 (T) is typed on gamma's storage (mu's without gamma); mu of another
+            # dtype than gamma's is read run-time typed, one q a thread.
+            g_dtype = gi.dtype if gi else mi.dtype
+            g_cxx, g_size = _DTYPES[g_dtype][1], _DTYPES[g_dtype][2]
+            mu_vec = (m_size, (sm[2], sm[3]), (sm[0], sm[1]), mi.ptr)
+            m_cxx = g_cxx if mi.dtype == g_dtype else "anyt"
+            if m_cxx == "anyt":
+                v1 = 1
+            elif gi is None:
+                v1 = vector_width(m_size, HW, (sm[2], sm[3]), (H, W), (sm[0], sm[1]), mi.ptr)
+            else:
+                v1 = vector_width(g_size, HW, (sg[4], sg[5]), (H, W), sg[:4], gi.ptr, (mu_vec,))
+            launches.append(launch(f"cc_gsum<{g_cxx}, {m_cxx}, {acc_cxx}, {v1}>",
+                                   ("fast", g_cxx, acc_cxx), B * G * HW * (HW // v1)))
+        t_items = B * G * HW * HW if src_t else 0
+        # gamma and mu typed when they share the written array's dtype; else run-time typed.
+        stored = {mi.dtype} | ({gi.dtype} if gi else set())
+        if stream:
+            # cc_fused writes S[b, g] (a contiguous diagonal layout of G channels, c = 1),
+            # then cc_stream adds c[c0] * S into out, row by row.
+            vs = max(w for w in _widths(acc_size) if HoWo % w == 0)
+            t = _plan.tiling(B, G, 1, Ho, Wo, vs, capacity)
+            tg = acc_cxx if src_t or stored == {acc} else "anyt"
+            s_strides = (G * HoWo * HoWo, HoWo * HoWo, Wo * HoWo, HoWo, Wo, 1)
+            launches.append(launch(
+                f"cc_fused<{acc_cxx}, {tg}, {acc_cxx}, {vs}, {src_t}>",
+                ("fast", acc_cxx, acc_cxx), 0, grid=t.grid, block=t.block, nchunk=t.nchunk,
+                chunk=t.chunk, to_s=1, Cog=1, dt_out=_DTYPES[acc][0],
+                **{f"so{i}": x for i, x in enumerate(s_strides)}))
+            rows = 1 if contiguous(so[2:], (Ho, Wo, Ho, Wo)) else HoWo
+            seg = HoWo * HoWo // rows
+            v3 = v if rows > 1 else vector_width(o_size, seg, so[2:], (Ho, Wo, Ho, Wo), so[:2],
+                                                 oi.ptr)
+            grid, block = _plan.stream_grid(B * G * Cog, rows, seg // v3)
+            launches.append(launch(f"cc_stream<{o_cxx}, {acc_cxx}, {v3}>",
+                                   ("fast", o_cxx, acc_cxx), 0, grid=grid, block=block,
+                                   nseg=rows, seg_len=seg))
+            return _Plan(launches, B * G * HoWo * HoWo, t_items, acc)
+        t = _plan.tiling(B, G, Cog, Ho, Wo, v, capacity)
+        tg = o_cxx if src_t or stored == {oi.dtype} else "anyt"
+        launches.append(launch(f"cc_fused<{o_cxx}, {tg}, {acc_cxx}, {v}, {src_t}>",
+                               ("fast", o_cxx, acc_cxx), 0, grid=t.grid, block=t.block,
+                               nchunk=t.nchunk, chunk=t.chunk))
+        return _Plan(launches, 0, t_items, acc)
 
     def _vjp_plan(self, a, dev):
         """Launches for one backward call signature (see cc_vjp_gamma in SOURCE)."""
@@ -1468,8 +1224,8 @@ class CupyBackend(Backend):
             vals = [0] * len(_FIELDS)
             for k, val in {**base, "n": n, **kw}.items():
                 vals[_SLOT[k]] = int(val)
-            return _Launch(self._function(name, family, dev), min(-(-n // _THREADS), 2**31 - 1),
-                           np.array(vals, np.int64))
+            return _Launch(self._function(name, family, dev),
+                           (min(-(-n // _THREADS), 2**31 - 1),), _BLOCK, np.array(vals, np.int64))
 
         launches = []
         if gm is not None:

@@ -1,0 +1,91 @@
+"""The tiling arithmetic of the GPU design (docs/backends.md, "The GPU design").
+
+A forward call is at most three launches, each chosen from the problem's quantities:
+
+1. ``T[b, g, x0, y0, x1, y1]``, the channel sum of ``gamma``'s diagonal plus
+   ``mu (x) mu`` over the group, streamed once at bandwidth, unless S is formed straight
+   from ``gamma`` and ``mu`` (:func:`direct_source`);
+2. the fused kernel: per thread, ``V`` consecutive values of a row ``S[b, g, p0, :]``
+   formed in registers, then ``c[c0] * S`` added into ``out``'s channel-diagonal for a
+   chunk of the group's output channels (:func:`tiling`);
+3. where a group has many output channels (:func:`stream_s`), the fused kernel writes S
+   instead and a third kernel streams ``out`` in address order (:func:`stream_grid`).
+
+No list of shapes: every layer takes this code path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+THREADS = 256  # threads a block
+UNROLL = 4  # output channels whose loads of out are in flight together (UNROLL_OUT)
+STREAM_U = 4  # cc_stream's vectors in flight a thread (STREAM_U)
+MAX_GRID_X, MAX_GRID_YZ = 2**31 - 1, 65535  # CUDA's grid limits (the kernels loop past)
+# Below this many direct terms, one launch beats two: the problem is launch-bound (toy:
+# 54 -> 39 us on the H200).
+DIRECT_TERMS = 1 << 22
+# S through memory for groups of at least STREAM_COG output channels and S rows of at least
+# STREAM_ROW positions: buys big-f32 6878 -> 5913 us and big-f16 4277 -> 3508 us on the
+# H200; layers with fewer channels or shorter rows lose by it (stem-k5, dil2, mb-pw).
+STREAM_COG, STREAM_ROW = 64, 512
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """The fused kernel's ``block`` and ``grid`` for one call, and the split of each
+    group's ``Cog`` output channels into ``nchunk`` chunks of ``chunk`` (each chunk
+    re-forms its S)."""
+
+    block: tuple
+    grid: tuple
+    nchunk: int
+    chunk: int
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def direct_source(B, G, Cg, H, W, Ho, Wo, kh, kw) -> bool:
+    """Whether S is formed straight from gamma and mu rather than from T: when the direct
+    source's terms (``Cg * kh * kw`` an element of S, each a cached gather) are no more
+    than T's elements (``(H*W)**2`` a group, each written and read once at DRAM
+    bandwidth, then gathered ``kh * kw`` times), as for large strides and 1x1 kernels
+    (r20-short: 737 -> 328 us on the H200), or when the whole problem is so small that a
+    second launch costs more than the terms."""
+    S = Cg * kh * kw * (Ho * Wo) ** 2
+    return B * G * S <= DIRECT_TERMS or S <= (H * W) ** 2
+
+
+def stream_s(Cog, Ho, Wo) -> bool:
+    """Whether S goes through memory (written once, then out streamed in address order)
+    rather than straight from registers into out: where many output channels share each
+    long row of S, so that S's round trip costs little beside out's."""
+    return Cog >= STREAM_COG and Ho * Wo >= STREAM_ROW
+
+
+def tiling(B, G, Cog, Ho, Wo, V, capacity) -> Tiling:
+    """The fused kernel's grid for a device holding ``capacity`` resident threads, each
+    thread ``V`` consecutive positions of a row of S (the written array's vector width)."""
+    HoWo = Ho * Wo
+    work = B * G * HoWo * _cdiv(HoWo, V)  # threads, one chunk a group
+    # Split the channels when the threads alone would leave the device under-filled.
+    nchunk = max(1, min(_cdiv(Cog, UNROLL), _cdiv(2 * capacity, work)))
+    chunk = _cdiv(Cog, nchunk)
+    nchunk = _cdiv(Cog, chunk)
+    # x: (p0, q vector) pairs of one (b, g, chunk); z: those (each loops past the limits).
+    grid = (min(_cdiv(work // (B * G), THREADS), MAX_GRID_X), 1,
+            min(B * G * nchunk, MAX_GRID_YZ))
+    return Tiling((THREADS,), grid, nchunk, chunk)
+
+
+def stream_grid(planes, rows, vectors):
+    """cc_stream's (grid, block): ``planes`` (b, c0) blocks of out, each ``rows`` rows of
+    ``vectors`` vectors; a thread STREAM_U vectors of a row, a block's x threads one row
+    (short rows leave room for more rows: y)."""
+    bx = min(THREADS, max(32, 1 << (_cdiv(vectors, STREAM_U) - 1).bit_length()))
+    by = THREADS // bx
+    grid = (min(_cdiv(vectors, bx * STREAM_U), MAX_GRID_X), min(_cdiv(rows, by), MAX_GRID_YZ),
+            min(planes, MAX_GRID_YZ))
+    return grid, (bx, by)
