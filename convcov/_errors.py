@@ -1,4 +1,5 @@
-"""The two exception types convcov adds to Python's own (TypeError, ValueError).
+"""The two exception types convcov adds to Python's own (TypeError, ValueError), and its
+one warning.
 
 Every error is raised by the front end before anything is written, so a rejected call
 leaves ``out`` bit-identical.
@@ -12,3 +13,8 @@ class ShapeError(ValueError):
 class BackendError(RuntimeError):
     """Unknown backend, backend not installed / no device, or backend that cannot run
     on the arrays' device or dtypes."""
+
+
+class ChunkWarning(UserWarning):
+    """A call on dask arrays merged chunks (a rechunk) that move more data than the
+    call's largest chunk: work is split along the batch and out's channels only."""

@@ -464,6 +464,12 @@ def accumulate(out, gamma, mu, c, kernel_size, *, stride=1, padding=0, dilation=
     fast_key = None
     tm = type(mu)
     if tm is not _ndarray:
+        if tm is not _Tensor and tm.__module__.startswith("dask."):
+            from . import _dask  # imports dask: only once a dask array is seen
+
+            return _dask.accumulate(out, gamma, mu, c, kernel_size, stride=stride,
+                                    padding=padding, dilation=dilation, groups=groups,
+                                    backend=backend)
         plain = tm is _Tensor and not _is_compiling()
         if not plain and _traced(mu):  # (_traced binds _Tensor at the first torch tensor)
             # Torch while torch.compile or a tracer looks: the operator, before anything
@@ -710,6 +716,11 @@ def patch_moment(gamma, mu, kernel_size, *, stride=1, padding=0, dilation=1, gro
     >>> S.shape, float(S[0, 0, 0, 0, 1, 1])
     ((1, 1, 2, 2, 2, 2), 4.0)
     """
+    if type(mu) is not _ndarray and type(mu).__module__.startswith("dask."):
+        from . import _dask  # imports dask: only once a dask array is seen
+
+        return _dask.patch_moment(gamma, mu, kernel_size, stride=stride, padding=padding,
+                                  dilation=dilation, groups=groups, backend=backend)
     if type(mu) is not _ndarray and (_traced(mu) or _records(None, gamma, mu, None)):
         return _ops().patch_moment(gamma, mu, kernel_size, stride, padding, dilation, groups,
                                    backend)

@@ -79,6 +79,22 @@ def _at_least_one(text):
 
 def cmd_bench(args):
     console = _console()
+    if args.dask:  # dask's overhead over the direct call (convcov/bench_dask.py)
+        from . import bench, bench_dask
+
+        results = bench_dask.main(args, console)
+        if args.json:
+            bench.save_json({"dask": results}, args.json)
+            console.print(f"wrote {args.json}")
+        return
+    if args.suite == "moments":  # conv2d_moments against full-covariance baselines
+        from . import bench_moments
+
+        try:
+            bench_moments.main(args, console)
+        except ValueError as exc:
+            sys.exit(f"convcov bench: {exc}")
+        return
     if args.plot:  # fail now, not after a long run
         _need_matplotlib()
     from . import bench
@@ -164,11 +180,14 @@ def main(argv=None):
     b = sub.add_parser("bench", help="time every available backend on SPEC's workloads")
     b.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="host backends, CUDA backends, or both when a GPU is there (default)")
-    b.add_argument("--suite", choices=["reference", "layers", "all"], default="reference",
+    b.add_argument("--suite", choices=["reference", "layers", "all", "moments"],
+                   default="reference",
                    help="reference: SPEC's reference workloads (toy, cpu, mid, big-f32, "
                         "big-f16; the default); layers: conv layers of ResNet-20, VGG-11 and "
                         "MobileNetV2 (r20-stem, r20-16, ...), with each backend's geometric "
-                        "mean and worst; all: both")
+                        "mean and worst; all: both; moments: conv2d_moments against "
+                        "torch-adf's full mode and two plain conv2d calls on a full covariance "
+                        "(convcov/bench_moments.py)")
     b.add_argument("--workload", action="append",
                    help="a workload of the suite (repeatable; default: all of the suite "
                         "that run on the device)")
@@ -181,6 +200,10 @@ def main(argv=None):
                         "after another; default: 5 on a GPU, 1 on the host)")
     b.add_argument("--grad", action="store_true",
                    help="also time forward + backward through torch autograd (needs torch)")
+    b.add_argument("--dask", action="store_true",
+                   help="instead, time dask's overhead against the direct call on chunks of "
+                        "268 MB: NumPy chunks on the threaded scheduler and a LocalCluster, "
+                        "CuPy chunks on dask-cuda's LocalCUDACluster (needs 'convcov[dask]')")
     b.add_argument("--json", help="also write the results to this JSON file")
     b.add_argument("--plot", metavar="PATH",
                    help="also draw fraction of floor per backend and workload, with the "

@@ -1,8 +1,9 @@
 """For users holding a ``torch.nn.Conv2d``: the layer's geometry, read from the layer.
 
 Owns :func:`conv_params` (kernel size, stride, padding, dilation and groups of a conv
-layer, as :func:`convcov.accumulate` takes them) and :func:`weight_noise_covariance`
-(``accumulate`` with them, allocating ``out`` when none is given). Refuses what convcov
+layer, as :func:`convcov.accumulate` takes them), :func:`weight_noise_covariance`
+(``accumulate`` with them, allocating ``out`` when none is given) and :func:`moments`
+(:func:`convcov.conv2d_moments` with the layer's weight, bias and geometry). Refuses what convcov
 does not model, rather than computing something else: padding modes other than zeros, and
 ``padding="same"`` where torch would pad one side more than the other.
 
@@ -13,6 +14,7 @@ import torch
 
 from ._errors import ShapeError
 from ._frontend import accumulate
+from .moments import conv2d_moments
 
 
 def conv_params(conv) -> dict:
@@ -91,3 +93,23 @@ def weight_noise_covariance(conv, mu, gamma=None, *, c, out=None, layout="diag",
             shape = (B, Co, 1, 1, 1, 1)
         out = mu.new_zeros(shape, dtype=dtype)
     return accumulate(out, gamma, mu, c, backend=backend, **params)
+
+
+def moments(conv, mu, gamma=None, *, c=None, c_bias=None, out_layout="full", out=None,
+            backend=None):
+    """Mean and covariance of ``conv``'s output: :func:`convcov.conv2d_moments` with the
+    layer's weight, bias and geometry (see :func:`conv_params`). ``c`` is the weights'
+    noise variance (a number, ``(Co,)`` or one per weight, ``conv.weight``'s shape),
+    ``c_bias`` the bias's. Returns ``(mu_out, gamma_out)``, differentiable in the
+    layer's parameters too.
+
+    >>> import torch, convcov.nn
+    >>> conv = torch.nn.Conv2d(3, 4, 3, padding=1)
+    >>> m, v = convcov.nn.moments(conv, torch.rand(2, 3, 5, 5), c=0.01, out_layout="var")
+    >>> m.shape, v.shape
+    (torch.Size([2, 4, 5, 5]), torch.Size([2, 4, 5, 5]))
+    """
+    p = conv_params(conv)
+    return conv2d_moments(mu, gamma, conv.weight, conv.bias, c, c_bias=c_bias,
+                          stride=p["stride"], padding=p["padding"], dilation=p["dilation"],
+                          groups=p["groups"], out_layout=out_layout, out=out, backend=backend)

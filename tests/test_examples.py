@@ -39,7 +39,9 @@ def run_example(name, *args):
 
 
 def test_every_example_is_tested():
-    tested = {"seed_drop_in.py", "digits_cnn.py", "gpu_torch.py", "montecarlo_figure.py"}
+    tested = {"seed_drop_in.py", "digits_cnn.py", "gpu_torch.py", "montecarlo_figure.py",
+              "dask_batch.py", "moments_stack.py"}
+    # (dask_batch.py: tests/test_dask.py, on its cluster; moments_stack.py: test_moments.py)
     assert {p.name for p in EXAMPLES.glob("*.py")} == tested
 
 

@@ -1,0 +1,552 @@
+"""``conv2d_moments``: the mean and covariance of a whole conv layer's output (SPEC section 6).
+
+Owns the propagation of a mean ``mu`` and a covariance ``gamma`` through
+``y = conv2d(x, weight + dW) + bias``: the mean ``conv2d(mu, weight, bias)``; the carried term
+``K gamma K^T`` in the layout asked for (two convolutions, one along each position set of
+``gamma``, the second one restricted to what the layout keeps); the weight-noise term
+(``convcov.accumulate`` for a number or per-channel ``c``, one channel mixing per kernel
+offset for a per-weight ``c``); the bias-noise term ``c_bias``; and the exact symmetrisation.
+The derivation is docs/moments.md.
+
+Validation reuses the front end's helpers (``_frontend``, ``_arrays``) and happens before
+anything is written. NumPy arrays are computed with NumPy (BLAS through ``matmul``), torch
+tensors with torch ops on their own device, so autograd differentiates every input. Both run
+the same code through a small namespace of array operations (:class:`_NumpyOps`,
+:class:`_TorchOps`), whose one convolution is 3-D: the trailing (or leading) axis with a
+kernel of 1 carries the covariance's other index set along.
+
+Must not import torch: a torch tensor can only arrive when torch is already imported.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import numbers
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import _arrays, _frontend, _registry
+from ._errors import ShapeError
+
+LAYOUTS = ("full", "diag", "var")
+#: Bytes of im2col columns the NumPy convolution builds at once (a cache-friendly chunk).
+_CHUNK = 32 << 20
+
+
+@dataclass
+class _Call:
+    """One validated call: sizes, conv parameters (made small where they cannot matter),
+    forms of gamma ("none", "full", "diag", "var") and of c ("none", "channel", "weight")."""
+
+    B: int
+    Ci: int
+    H: int
+    W: int
+    Co: int
+    G: int
+    kh: int
+    kw: int
+    Ho: int
+    Wo: int
+    stride: tuple
+    padding: tuple
+    dilation: tuple
+    gamma_form: str
+    c_form: str
+    layout: str
+    acc: str
+    kind: str
+
+    def out_shape(self, layout):
+        B, Co, Ho, Wo = self.B, self.Co, self.Ho, self.Wo
+        return {"full": (B, Co, Ho, Wo, Co, Ho, Wo), "diag": (B, Co, Ho, Wo, Ho, Wo),
+                "var": (B, Co, Ho, Wo)}[layout]
+
+    def ranges(self):
+        """For each kernel row and column offset, the output rows (columns) ``[lo, hi)``
+        whose input position under that offset is inside the image (not padding)."""
+        def axis(n, n_out, k, s, p, d):
+            return [(max(0, -((i * d - p) // s)), min(n_out, (n - 1 + p - i * d) // s + 1))
+                    for i in range(k)]
+        (sh, sw), (ph, pw), (dh, dw) = self.stride, self.padding, self.dilation
+        return (axis(self.H, self.Ho, self.kh, sh, ph, dh),
+                axis(self.W, self.Wo, self.kw, sw, pw, dw))
+
+    @property
+    def last(self):
+        """The conv geometry on axes (H, W, E) of a 5-d array: the kernel on H, W, none on
+        E (strides, paddings, dilations, and the kernel's place)."""
+        return (*self.stride, 1), (*self.padding, 0), (*self.dilation, 1), "last"
+
+    @property
+    def first(self):
+        """The conv geometry on axes (E, H, W): the kernel on the last two."""
+        return (1, *self.stride), (0, *self.padding), (1, *self.dilation), "first"
+
+    def window(self, axis, i, lo, hi):
+        """The input slice that output positions ``[lo, hi)`` read under offset ``i``."""
+        s, p, d = self.stride[axis], self.padding[axis], self.dilation[axis]
+        return slice(lo * s + i * d - p, (hi - 1) * s + i * d - p + 1, s)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, numbers.Number) and not isinstance(x, (bool, np.bool_))
+
+
+def _check(mu, gamma, weight, bias, c, c_bias, stride, padding, dilation, groups,
+           out_layout, out, backend) -> _Call:
+    """Every check of SPEC sections 3 and 6; raises before anything is computed."""
+    if not isinstance(out_layout, str) or out_layout not in LAYOUTS:
+        raise ValueError(f"out_layout: expected 'full', 'diag' or 'var'; got {out_layout!r}")
+    infos = {}
+    for n, x in (("mu", mu), ("gamma", gamma), ("weight", weight), ("bias", bias), ("c", c),
+                 ("c_bias", c_bias), ("out", out)):
+        if x is None or (n in ("c", "c_bias") and _is_number(x)):
+            continue
+        if isinstance(x, (bool, np.bool_, complex)):
+            raise TypeError(f"{n}: expected a real number or a float array; got {x!r}")
+        infos[n] = _arrays.info(x, n)
+    _frontend._check_kinds(list(infos.items()))
+    for n, a in infos.items():
+        _frontend._check_dtype(n, a)
+    kind, device = infos["mu"].kind, infos["mu"].device
+    if kind not in ("numpy", "torch") or device[0] not in ("cpu", "cuda"):
+        raise TypeError(f"conv2d_moments computes on numpy arrays and torch tensors (CPU or "
+                        f"CUDA); got {kind} arrays on {device[0]}")
+    m, w = infos["mu"].shape, infos["weight"].shape
+    if len(m) != 4:
+        raise ShapeError(f"mu: expected 4 dims (B, Ci, H, W); got shape {m}")
+    if len(w) != 4 or min(w[2:]) < 1:
+        raise ShapeError(f"weight: expected 4 dims (Co, Ci // groups, kh, kw), kh, kw >= 1; "
+                         f"got shape {w}")
+    G, (kh, kw), _, s, p, d = _frontend.conv_params(tuple(w[2:]), stride, padding, dilation,
+                                                    groups)
+    (B, Ci, H, W), Co = m, w[0]
+    for n, C in (("Ci", Ci), ("Co", Co)):
+        if C % G:
+            raise ShapeError(f"groups: {n} = {C} is not divisible by groups = {G}")
+    _frontend._expect("weight", w, (Co, Ci // G, kh, kw), "(Co, Ci // groups, kh, kw)")
+    Ho, Wo, sh, sw, dh, dw = _frontend._grid(H, W, kh, kw, *s, *p, *d)
+    if "bias" in infos:
+        _frontend._expect("bias", infos["bias"].shape, (Co,), "(Co,)")
+    forms = {7: ("full", (B, Ci, H, W, Ci, H, W), "(B, Ci, H, W, Ci, H, W)"),
+             6: ("diag", (B, Ci, H, W, H, W), "(B, Ci, H, W, H, W)"),
+             4: ("var", (B, Ci, H, W), "(B, Ci, H, W)")}
+    gamma_form = "none"
+    if "gamma" in infos:
+        g = infos["gamma"].shape
+        if len(g) not in forms:
+            raise ShapeError(f"gamma: expected 7 dims (B, Ci, H, W, Ci, H, W), 6 dims "
+                             f"(B, Ci, H, W, H, W), 4 dims (B, Ci, H, W) or None; got shape {g}")
+        gamma_form, expected, what = forms[len(g)]
+        _frontend._expect("gamma", g, expected, what)
+    c_form = "none" if c is None else "channel"
+    if "c" in infos:
+        shape = infos["c"].shape
+        if shape == (Co, Ci // G, kh, kw):
+            c_form = "weight"
+        elif shape not in ((), (Co,)):
+            raise ShapeError(f"c: expected a number, a 0-d array, shape (Co,) = ({Co},) or "
+                             f"(Co, Ci // groups, kh, kw) = {(Co, Ci // G, kh, kw)}; got shape "
+                             f"{shape}")
+    if "c_bias" in infos and infos["c_bias"].shape not in ((), (Co,)):
+        raise ShapeError(f"c_bias: expected a number, a 0-d array or shape (Co,) = ({Co},); "
+                         f"got shape {infos['c_bias'].shape}")
+    acc = "float64" if any(a.dtype == "float64" for a in infos.values()) else "float32"
+    call = _Call(B, Ci, H, W, Co, G, kh, kw, Ho, Wo, (sh, sw), p, (dh, dw), gamma_form, c_form,
+                 out_layout, acc, kind)
+    if out is not None:
+        o = infos["out"]
+        shape = call.out_shape(out_layout)
+        _frontend._expect("out", o.shape, shape, {
+            "full": "(B, Co, Ho, Wo, Co, Ho, Wo)", "diag": "(B, Co, Ho, Wo, Ho, Wo)",
+            "var": "(B, Co, Ho, Wo)"}[out_layout])
+        if o.readonly:
+            raise ValueError("out: is read-only; conv2d_moments writes gamma_out into it")
+        if _arrays.self_overlapping(o) is not False:
+            raise ValueError("out: some of its elements may share memory (a zero or "
+                             "overlapping stride); pass an array whose elements are distinct")
+        span = _arrays.span(o)
+        for n, a in infos.items():
+            if n != "out" and _arrays.overlaps(o, span, a, _arrays.span(a)) and \
+                    _arrays.shares_memory(o, a):
+                raise ValueError(f"out: shares memory with {n}; pass separate arrays")
+    # The backend computes accumulate's calls, whose arrays are all in the dtype computed in.
+    _registry.select(backend, device[0], frozenset({acc}))
+    return call
+
+
+class _NumpyOps:
+    """Array operations on NumPy arrays, computing in ``dtype``."""
+
+    def __init__(self, dtype):
+        self.dtype = np.dtype(dtype)
+
+    def cast(self, x):
+        return None if x is None else np.asarray(x, dtype=self.dtype)
+
+    def zeros(self, shape):
+        return np.zeros(shape, self.dtype)
+
+    def empty(self, shape):
+        return np.empty(shape, self.dtype)
+
+    def arange(self, n):
+        return np.arange(n)
+
+    def perm(self, x, axes):
+        return x.transpose(axes)
+
+    def contiguous(self, x):
+        return np.ascontiguousarray(x)
+
+    def einsum(self, spec, *xs):
+        return np.einsum(spec, *xs, optimize=True)
+
+    def grad(self, *xs) -> bool:
+        return False
+
+    def conv(self, x, w, G, geo):
+        """3-D convolution of ``x`` ``(N, C, D1, D2, D3)`` with ``w`` ``(Co, C // G, k1, k2,
+        k3)``, geometry ``geo`` (:attr:`_Call.last` or :attr:`_Call.first`):
+        ``(N, Co, O1, O2, O3)``. In chunks of images and of the axis the kernel does not
+        touch (so memory stays bounded however long that axis is): im2col, then one matmul
+        per group with the chunk's columns side by side."""
+        s, p, d, place = geo
+        free = 4 if place == "last" else 2  # the axis with kernel 1, stride 1, no padding
+        N, C, D = x.shape[0], x.shape[1], x.shape[2:]
+        k, (Co, Cg) = w.shape[2:], w.shape[:2]
+        out = [(D[a] + 2 * p[a] - d[a] * (k[a] - 1) - 1) // s[a] + 1 for a in range(3)]
+        Cpg, K = Co // G, math.prod(k)
+        wm = w.reshape(G, Cpg, Cg * K)
+        y = np.empty((N, G, Cpg, *out), self.dtype)
+        per_image = K * C * math.prod(out) * self.dtype.itemsize
+        E = x.shape[free]
+        e_step = max(1, E * _CHUNK // per_image) if per_image > _CHUNK else E
+        n_step = max(1, _CHUNK // per_image)
+        for n0, e0 in itertools.product(range(0, N, n_step), range(0, E, e_step)):
+            cut = [slice(n0, n0 + n_step), slice(None), slice(None), slice(None), slice(None)]
+            cut[free] = slice(e0, e0 + e_step)
+            xs = x[tuple(cut)]
+            n, Dc = xs.shape[0], xs.shape[2:]
+            Oc = [Dc[a] if a == free - 2 else out[a] for a in range(3)]
+            xp = np.zeros((n, C) + tuple(Dc[a] + 2 * p[a] for a in range(3)), self.dtype)
+            xp[(slice(None), slice(None)) + tuple(slice(p[a], p[a] + Dc[a]) for a in range(3))] = xs
+            xp = xp.reshape(n, G, Cg, *xp.shape[2:])
+            cols = np.empty((G, Cg, *k, n, *Oc), self.dtype)
+            for off in itertools.product(*map(range, k)):
+                window = tuple(slice(off[a] * d[a], off[a] * d[a] + s[a] * (Oc[a] - 1) + 1, s[a])
+                               for a in range(3))
+                cols[(slice(None), slice(None)) + off] = xp[(slice(None),) * 3 + window].transpose(
+                    1, 2, 0, 3, 4, 5)
+            r = np.matmul(wm, cols.reshape(G, Cg * K, -1)).reshape(G, Cpg, n, *Oc)
+            cut[1] = slice(None)
+            y[tuple(cut[:1] + [slice(None)] + cut[1:])] = r.transpose(2, 0, 1, 3, 4, 5)
+        return y.reshape(N, Co, *out)
+
+    def symmetric(self, A, out):
+        """``(A + A^T) / 2`` of a stack of square matrices ``(N, r, r)``, rounded once into
+        ``out`` (a new array when None). The transposed copy goes in column strips (each
+        read is contiguous); the add is then contiguous: bitwise symmetric, as addition
+        commutes."""
+        direct = out is not None and out.dtype == self.dtype and self._c_contiguous(out)
+        dst = out.reshape(A.shape) if direct else self.empty(A.shape)
+        for i in range(0, A.shape[1], 512):
+            dst[:, :, i:i + 512] = self.perm(A[:, i:i + 512], (0, 2, 1))
+        dst += A
+        dst *= 0.5
+        return self.result(dst, out) if out is not None and not direct else dst
+
+    @staticmethod
+    def _c_contiguous(x):
+        return x.flags.c_contiguous
+
+    def result(self, x, out):
+        if out is None:
+            return np.ascontiguousarray(x)
+        out[...] = x.reshape(out.shape)
+        return out
+
+
+class _TorchOps(_NumpyOps):
+    """The same operations on torch tensors (any device), through differentiable torch ops."""
+
+    def __init__(self, dtype, device):
+        self.torch = sys.modules["torch"]
+        self.dtype, self.device = getattr(self.torch, dtype), device
+
+    def cast(self, x):
+        return None if x is None else x.to(self.dtype)
+
+    def zeros(self, shape):
+        return self.torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    def empty(self, shape):
+        return self.torch.empty(shape, dtype=self.dtype, device=self.device)
+
+    def arange(self, n):
+        return self.torch.arange(n, device=self.device)
+
+    def perm(self, x, axes):
+        return x.permute(axes)
+
+    def contiguous(self, x):
+        return x.contiguous()
+
+    def einsum(self, spec, *xs):
+        return self.torch.einsum(spec, *xs)
+
+    def grad(self, *xs) -> bool:
+        return self.torch.is_grad_enabled() and any(
+            getattr(x, "requires_grad", False) for x in xs)
+
+    def conv(self, x, w, G, geo):
+        F = self.torch.nn.functional
+        s, p, d, place = geo
+        if place == "last" and x.shape[4] == 1:  # a plain 2-D convolution
+            return F.conv2d(x[..., 0], w[..., 0], None, s[:2], p[:2], d[:2], G)[..., None]
+        E = x.shape[2 if place == "first" else 4]
+        if x.device.type == "cpu" and x.shape[0] == 1 and E % 2 == 0:
+            # On the CPU torch takes its unblocked conv3d for one image of few planes, two
+            # to three times slower than oneDNN's: two half images instead (the kernel
+            # does not touch that axis, so its halves are independent).
+            axis = 2 if place == "first" else 4
+            y = F.conv3d(self.torch.cat(x.chunk(2, axis)), w, None, s, p, d, G)
+            return self.torch.cat(y.chunk(2, 0), axis)
+        return F.conv3d(x, w, None, s, p, d, G)
+
+    def symmetric(self, A, out):
+        if self.grad(A, out):
+            S = ((A + A.transpose(1, 2)) * 0.5).contiguous()
+            return S if out is None else out.copy_(S.reshape(out.shape))
+        # As NumPy's, with the halving fused into both passes: 0.5 a + 0.5 b is exactly
+        # (a + b) / 2 rounded once (scaling by 0.5 is exact), and commutes.
+        direct = out is not None and out.dtype == self.dtype and out.is_contiguous()
+        dst = out.view(A.shape) if direct else self.empty(A.shape)
+        for i in range(0, A.shape[1], 512):
+            self.torch.mul(A[:, i:i + 512].transpose(1, 2), 0.5, out=dst[:, :, i:i + 512])
+        dst.add_(A, alpha=0.5)
+        return self.result(dst, out) if out is not None and not direct else dst
+
+    @staticmethod
+    def _c_contiguous(x):
+        return x.is_contiguous()
+
+    def result(self, x, out):
+        return x.contiguous() if out is None else out.copy_(x.reshape(out.shape))
+
+
+def conv2d_moments(mu, gamma, weight, bias=None, c=None, *, c_bias=None, stride=1, padding=0,
+                   dilation=1, groups=1, out_layout="full", out=None, backend=None):
+    """Mean and covariance of ``y = conv2d(x, weight + dW) + bias`` (SPEC section 6).
+
+    ``x`` has mean ``mu`` ``(B, Ci, H, W)`` and covariance ``gamma`` (None, full
+    ``(B, Ci, H, W, Ci, H, W)``, channel-diagonal ``(B, Ci, H, W, H, W)`` or variances
+    ``(B, Ci, H, W)``); ``dW`` is zero-mean independent noise of variance ``c`` (None, a
+    number, ``(Co,)`` or per weight ``(Co, Ci // groups, kh, kw)``), the bias's noise has
+    variance ``c_bias`` (None, a number or ``(Co,)``). Returns ``(mu_out, gamma_out)``:
+    ``mu_out = conv2d(mu, weight, bias)`` ``(B, Co, Ho, Wo)`` and ``gamma_out`` in
+    ``out_layout`` "full" ``(B, Co, Ho, Wo, Co, Ho, Wo)``, "diag" ``(B, Co, Ho, Wo, Ho, Wo)``
+    (the channel-diagonal blocks) or "var" ``(B, Co, Ho, Wo)`` (the variances), exactly
+    symmetric, written into ``out`` when given. ``backend`` chooses the backend of the
+    ``accumulate`` calls (docs/moments.md). Differentiable on torch tensors.
+
+    >>> import numpy as np, convcov
+    >>> mu, w = np.ones((1, 1, 3, 3)), np.ones((1, 1, 2, 2))
+    >>> m, v = convcov.conv2d_moments(mu, np.ones((1, 1, 3, 3)), w, c=0.5, out_layout="var")
+    >>> float(m[0, 0, 0, 0]), float(v[0, 0, 0, 0])     # 4 * 1, 4 * 1 + 0.5 * 4 * (1 + 1)
+    (4.0, 8.0)
+    """
+    if type(mu).__module__.startswith("dask."):
+        from . import _dask  # imports dask: only for dask arrays (docs/dask.md)
+
+        return _dask.conv2d_moments(mu, gamma, weight, bias, c, c_bias=c_bias, stride=stride,
+                                    padding=padding, dilation=dilation, groups=groups,
+                                    out_layout=out_layout, out=out, backend=backend)
+    call = _check(mu, gamma, weight, bias, c, c_bias, stride, padding, dilation, groups,
+                  out_layout, out, backend)
+    o = _NumpyOps(call.acc) if call.kind == "numpy" else _TorchOps(call.acc, mu.device)
+    mu_a, w_a, g_a = o.cast(mu), o.cast(weight), o.cast(gamma)
+    B, Co, Ho, Wo = call.B, call.Co, call.Ho, call.Wo
+    if 0 in (B, call.Ci, call.H, call.W, Co, Ho, Wo):  # sums over nothing
+        mu_out, A, c = o.zeros((B, Co, Ho, Wo)), o.zeros(call.out_shape(out_layout)), None
+    else:
+        mu_out = o.conv(mu_a[..., None], w_a[..., None], call.G, call.last)[..., 0]
+        A = _carried(o, call, g_a, w_a)
+    if bias is not None:
+        mu_out = mu_out + o.cast(bias).reshape(1, Co, 1, 1)
+    if c is not None:
+        _weight_noise(o, call, A, mu_a, g_a, c if _is_number(c) else o.cast(c), backend)
+    if c_bias is not None:
+        cb = _as_channels(o, c_bias, Co)
+        _add_blocks(o, call, A, cb.reshape((1, Co) + (1,) * (2 if out_layout == "var" else 4)))
+    mu_out = o.result(mu_out, None)
+    if out_layout == "var":
+        return mu_out, o.result(A, out)
+    r = Co * Ho * Wo if out_layout == "full" else Ho * Wo
+    S = o.symmetric(A.reshape(-1, r, r), out)
+    return mu_out, S.reshape(call.out_shape(out_layout)) if out is None else out
+
+
+def _as_channels(o, v, Co):
+    """A number, 0-d or ``(Co,)`` array as a ``(Co,)`` array of the computing dtype."""
+    return o.zeros(Co) + (v if _is_number(v) else o.cast(v))
+
+
+def _embed(o, call, v):
+    """Variances ``(B, Ci, H, W)`` as a channel-diagonal covariance ``(B, Ci, H, W, H, W)``."""
+    B, Ci, P = call.B, call.Ci, call.H * call.W
+    g = o.zeros((B, Ci, P * P))
+    g[:, :, ::P + 1] = v.reshape(B, Ci, P)
+    return g.reshape(B, Ci, call.H, call.W, call.H, call.W)
+
+
+def _channel_diagonal(o, call, g):
+    """gamma's channel-diagonal ``(B, Ci, H, W, H, W)`` (None without gamma)."""
+    if call.gamma_form in ("none", "diag"):
+        return g
+    if call.gamma_form == "var":
+        return _embed(o, call, g)
+    B, Ci, H, W = call.B, call.Ci, call.H, call.W
+    d = g.reshape(B, Ci, H * W, Ci, H * W).diagonal(0, 1, 3)  # (B, HW, HW, Ci)
+    return o.contiguous(o.perm(d, (0, 3, 1, 2))).reshape(B, Ci, H, W, H, W)
+
+
+def _carried(o, call, g, w):
+    """``K gamma K^T`` in the call's layout, unsymmetrised (a fresh array).
+
+    Every convolution runs on a 5-d array ``(N, C, H, W, E)`` whose trailing axis E (the
+    other index set of the covariance) rides along untouched (kernel 1 on it): one index
+    set is contracted at a time, each in the memory order the last step left, so no
+    covariance-sized array is ever transposed."""
+    B, Ci, H, W, Co, G, Ho, Wo = call.B, call.Ci, call.H, call.W, call.Co, call.G, call.Ho, call.Wo
+    Cg, Cpg, kh, kw, P, Q = Ci // G, Co // G, call.kh, call.kw, call.H * call.W, Ho * Wo
+    form, layout, w5 = call.gamma_form, call.layout, w[..., None]
+    if form == "none":
+        return o.zeros(call.out_shape(layout))
+    if layout == "var":
+        return _carried_variances(o, call, g, w)
+    if form == "var":
+        g, form = _embed(o, call, g), "diag"
+    if form == "full":
+        # The right index first, the left one as the batch: T[b, left, c1, q].
+        if layout == "full" or G == 1:
+            X1 = g.reshape(B * Ci * P, Ci, H, W, 1)
+        else:  # only gamma's blocks within one group reach a channel's own block
+            # gg: (B, Cg, H, W, Cg, H, W, G)
+            gg = g.reshape(B, G, Cg, H, W, G, Cg, H, W).diagonal(0, 1, 5)
+            X1 = o.perm(gg, (0, 1, 2, 3, 7, 4, 5, 6)).reshape(B * Cg * P, Ci, H, W, 1)
+        if layout == "full":  # then the left index, the right one riding along
+            T = o.conv(X1, w5, G, call.last).reshape(B, Ci, H, W, Co * Q)
+            return o.conv(T, w5, G, call.last).reshape(call.out_shape("full"))
+        T = o.conv(X1, w5, G, call.last).reshape(B, Cg, H, W, Co, Q)
+        X2 = o.perm(T, (0, 4, 1, 2, 3, 5))  # (B, c0, cl, H, W, q)
+    else:
+        # Channel-diagonal gamma: no sum over input channels on the right (groups = Ci):
+        # T[b, (g, cl, j), x, q] for output channel c1 = g * Cpg + j.
+        w_ci = o.perm(w.reshape(G, Cpg, Cg, kh, kw), (0, 2, 1, 3, 4)).reshape(
+            Ci * Cpg, 1, 1, kh, kw)
+        T = o.conv(g.reshape(B, Ci, P, H, W), w_ci, Ci, call.first)
+        T = T.reshape(B, G, Cg, Cpg, H, W, Q)
+        if layout == "full":  # channels (g, cl) summed on the left, (j, q) riding along
+            X2 = o.perm(T, (0, 1, 2, 4, 5, 3, 6)).reshape(B, Ci, H, W, Cpg * Q)
+            R = o.conv(X2, w5, G, call.last)  # (B, (g, i), Ho, Wo, (j, q))
+            if G == 1:
+                return R.reshape(call.out_shape("full"))
+            A = o.zeros(call.out_shape("full"))
+            ar = o.arange(G)
+            A.reshape(B, G, Cpg, Ho, Wo, G, Cpg, Ho, Wo)[:, ar, :, :, :, ar] = o.perm(
+                R.reshape(B, G, Cpg, Ho, Wo, Cpg, Ho, Wo), (1, 0, 2, 3, 4, 5, 6, 7))
+            return A
+        X2 = o.perm(T, (0, 1, 3, 2, 4, 5, 6))  # (B, (g, j) = c0, cl, H, W, q)
+    # The left index for output channel c0 alone: one group per output channel.
+    D = o.conv(X2.reshape(B, Co * Cg, H, W, Q), w5, Co, call.last)
+    return D.reshape(call.out_shape("diag"))
+
+
+def _carried_variances(o, call, g, w):
+    """The diagonal of ``K gamma K^T``, ``(B, Co, Ho, Wo)``, without the rest: per pair of
+    kernel offsets, gamma at the two positions that offset pair reads for one output
+    position (a strided diagonal view), weighted by the two weights."""
+    B, Ci, G, Co, Ho, Wo = call.B, call.Ci, call.G, call.Co, call.Ho, call.Wo
+    Cg, Cpg = Ci // G, Co // G
+    if call.gamma_form == "var":  # independent entries: the squared weights
+        return o.conv(g[..., None], (w * w)[..., None], G, call.last)[..., 0]
+    A = o.zeros((B, G, Cpg, Ho, Wo))
+    wg = w.reshape(G, Cpg, Cg, call.kh, call.kw)
+    rh, rw = call.ranges()
+    for (i0, j0), (i1, j1) in itertools.product(
+            itertools.product(range(call.kh), range(call.kw)), repeat=2):
+        (lh, hh), (lw, hw) = (max(rh[i0][0], rh[i1][0]), min(rh[i0][1], rh[i1][1])), (
+            max(rw[j0][0], rw[j1][0]), min(rw[j0][1], rw[j1][1]))
+        if lh >= hh or lw >= hw:
+            continue
+        x0, y0 = call.window(0, i0, lh, hh), call.window(1, j0, lw, hw)
+        x1, y1 = call.window(0, i1, lh, hh), call.window(1, j1, lw, hw)
+        if call.gamma_form == "full":
+            sub = g[:, :, x0, y0, :, x1, y1].reshape(B, G, Cg, hh - lh, hw - lw, G, Cg,
+                                                     hh - lh, hw - lw)
+            sub = sub.diagonal(0, 1, 5).diagonal(0, 2, 5).diagonal(0, 2, 4)  # (B, Cg, Cg, G, h, w)
+            # the right weights first (a matmul over d), then the left ones
+            V = o.einsum("gjd,bcdghw->bgjchw", wg[..., i1, j1], sub)
+            A[:, :, :, lh:hh, lw:hw] += o.einsum("gjc,bgjchw->bgjhw", wg[..., i0, j0], V)
+        else:
+            sub = g[:, :, x0, y0, x1, y1].diagonal(0, 2, 4).diagonal(0, 2, 3)  # (B, Ci, h, w)
+            A[:, :, :, lh:hh, lw:hw] += o.einsum(
+                "gjc,bgchw->bgjhw", wg[..., i0, j0] * wg[..., i1, j1],
+                sub.reshape(B, G, Cg, hh - lh, hw - lw))
+    return A.reshape(B, Co, Ho, Wo)
+
+
+def _weight_noise(o, call, A, mu_a, g_a, c, backend):
+    """Add the weight-noise term N into A (unsymmetrised, in the call's layout)."""
+    B, Ci, H, W, G, Co, Ho, Wo = call.B, call.Ci, call.H, call.W, call.G, call.Co, call.Ho, call.Wo
+    Cg, kh, kw = Ci // G, call.kh, call.kw
+    if call.layout == "var":
+        # N's diagonal: c-weighted window sums of mu**2 + gamma's diagonal: one conv.
+        M = mu_a * mu_a
+        if call.gamma_form == "var":
+            M = M + g_a
+        elif call.gamma_form != "none":
+            n = Ci * H * W if call.gamma_form == "full" else H * W
+            M = M + g_a.reshape(-1, n, n).diagonal(0, 1, 2).reshape(B, Ci, H, W)
+        cw = c if call.c_form == "weight" else (
+            o.zeros((Co, Cg, kh, kw)) + _as_channels(o, c, Co).reshape(Co, 1, 1, 1))
+        A += o.conv(M[..., None], cw[..., None], G, call.last)[..., 0]
+        return
+    if call.c_form == "channel":
+        g = _embed(o, call, g_a) if call.gamma_form == "var" else g_a
+        _frontend.accumulate(A, g, mu_a, c, (kh, kw), stride=call.stride, padding=call.padding,
+                             dilation=call.dilation, groups=G, backend=backend)
+        return
+    # Per-weight c: for each kernel offset, the window of M = mu mu^T + gamma's channel
+    # diagonal that offset reads at both positions, mixed over each group's channels.
+    gd = _channel_diagonal(o, call, g_a)
+    M = mu_a.reshape(B, Ci, H, W, 1, 1) * mu_a.reshape(B, Ci, 1, 1, H, W)
+    if gd is not None:
+        M = M + gd
+    N = o.zeros((B, G, Co // G, Ho, Wo, Ho, Wo))
+    cg = c.reshape(G, Co // G, Cg, kh, kw)
+    rh, rw = call.ranges()
+    for i, j in itertools.product(range(kh), range(kw)):
+        (lh, hh), (lw, hw) = rh[i], rw[j]
+        if lh >= hh or lw >= hw:
+            continue
+        x, y = call.window(0, i, lh, hh), call.window(1, j, lw, hw)
+        sub = M[:, :, x, y, x, y].reshape(B, G, Cg, hh - lh, hw - lw, hh - lh, hw - lw)
+        N[:, :, :, lh:hh, lw:hw, lh:hh, lw:hw] += o.einsum("gjc,bgcpqrs->bgjpqrs",
+                                                           cg[..., i, j], sub)
+    _add_blocks(o, call, A, N.reshape(B, Co, Ho, Wo, Ho, Wo))
+
+
+def _add_blocks(o, call, A, D):
+    """Add D (broadcastable to the diagonal layout) to each output channel's own block."""
+    if call.layout != "full":
+        A += D
+        return
+    ar = o.arange(call.Co)
+    D = D + o.zeros((call.B, call.Co, call.Ho, call.Wo, call.Ho, call.Wo))
+    A[:, ar, :, :, ar] += o.perm(D, (1, 0, 2, 3, 4, 5))

@@ -1,0 +1,521 @@
+"""``convcov.conv2d_moments`` (SPEC section 6) against its definition, reality and autograd.
+
+* :func:`reference` is the float64 ground truth, from the definition of
+  ``y = conv2d(x, weight + dW) + bias + db`` in literal loops: every term
+  ``(weight + dW)[c0, cl, ii, ji] * x[b, ci, x0, y0]`` of every output entry is listed
+  (its weight, its input entry); ``K`` (the conv as a matrix) is summed from them, and
+  ``Cov(y_r, y_s) = E[y_r y_s] - E[y_r] E[y_s]`` entry by entry: ``K Gamma K^T`` (a
+  matrix product: the double sum over both entries' terms) plus, for each pair of terms
+  that share one noisy weight, ``c * E[x_q x_q']``, plus ``c_bias[c0]`` for two entries of
+  channel ``c0`` (one noisy bias).
+* Every gamma form x layout x c form x c_bias against it, with stride, padding, dilation
+  and groups; a hypothesis property over shapes, conv parameters, dtypes (float16,
+  bfloat16, float32, float64), array kinds, ``out`` and backends, with the forward error
+  bound of kinds.tolerance; exact symmetry; errors that leave ``out`` untouched.
+* Monte Carlo (torch): sampled inputs and noisy weights and biases through
+  ``torch.nn.functional.conv2d``, one layer and a stack of three (moments of a linear
+  stack are exact when each layer's full gamma_out feeds the next).
+* ``torch.autograd.gradcheck`` in every input.
+"""
+
+from __future__ import annotations
+
+import itertools
+import zlib
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import convcov
+from kinds import make, to_f64, tolerance
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+
+FORMS = ("none", "full", "diag", "var")
+LAYOUTS = ("full", "diag", "var")
+C_FORMS = ("none", "number", "channel", "weight")
+
+
+def out_size(n, k, s, p, d):
+    return (n + 2 * p - d * (k - 1) - 1) // s + 1
+
+
+def reference(mu, gamma, weight, bias=None, c=None, c_bias=None, stride=(1, 1), padding=(0, 0),
+              dilation=(1, 1), groups=1):
+    """(mean (B, Co, Ho, Wo), covariance (B, Co, Ho, Wo, Co, Ho, Wo)) in float64."""
+    mu, w = np.asarray(mu, np.float64), np.asarray(weight, np.float64)
+    B, Ci, H, W = mu.shape
+    Co, Cg, kh, kw = w.shape
+    (sh, sw), (ph, pw), (dh, dw) = stride, padding, dilation
+    Ho, Wo = out_size(H, kh, sh, ph, dh), out_size(W, kw, sw, pw, dw)
+    n, m = Ci * H * W, Co * Ho * Wo
+    Gam = np.zeros((B, n, n))  # gamma in the full layout, flattened
+    if gamma is not None:
+        g = np.asarray(gamma, np.float64)
+        if g.ndim == 7:
+            Gam = g.reshape(B, n, n).copy()
+        elif g.ndim == 6:
+            for ci in range(Ci):
+                s = slice(ci * H * W, (ci + 1) * H * W)
+                Gam[:, s, s] = g[:, ci].reshape(B, H * W, H * W)
+        else:
+            Gam[:, np.arange(n), np.arange(n)] = g.reshape(B, n)
+    cw = np.zeros(w.shape)
+    if c is not None:
+        cv = np.asarray(c, np.float64)
+        cw = cv if cv.ndim == 4 else np.broadcast_to(cv.reshape(-1, 1, 1, 1), w.shape)
+    # The terms of y's entries: taps[weight index] = [(output entry, input entry), ...]
+    taps = {}
+    K = np.zeros((m, n))
+    for c0, cl, ii, ji in itertools.product(range(Co), range(Cg), range(kh), range(kw)):
+        ci = c0 // (Co // groups) * Cg + cl
+        terms = []
+        for i, j in itertools.product(range(Ho), range(Wo)):
+            x0, y0 = i * sh + ii * dh - ph, j * sw + ji * dw - pw
+            if 0 <= x0 < H and 0 <= y0 < W:
+                r, q = (c0 * Ho + i) * Wo + j, (ci * H + x0) * W + y0
+                K[r, q] += w[c0, cl, ii, ji]
+                terms.append((r, q))
+        taps[c0, cl, ii, ji] = terms
+    muf = mu.reshape(B, n)
+    mean = muf @ K.T
+    if bias is not None:
+        mean += np.repeat(np.asarray(bias, np.float64), Ho * Wo)
+    cov = K @ Gam @ K.transpose()
+    Exx = muf[:, :, None] * muf[:, None, :] + Gam  # E[x_q x_q']
+    for widx, terms in taps.items():  # two terms sharing one noisy weight
+        for (r, q), (s, q2) in itertools.product(terms, repeat=2):
+            cov[:, r, s] += cw[widx] * Exx[:, q, q2]
+    if c_bias is not None:
+        cb = np.broadcast_to(np.asarray(c_bias, np.float64), (Co,))
+        for c0 in range(Co):
+            blk = slice(c0 * Ho * Wo, (c0 + 1) * Ho * Wo)
+            cov[:, blk, blk] += cb[c0]
+    return mean.reshape(B, Co, Ho, Wo), cov.reshape(B, Co, Ho, Wo, Co, Ho, Wo)
+
+
+def in_layout(cov, layout):
+    """The full covariance as the layout holds it: the channel-diagonal blocks, the variances."""
+    if layout == "full":
+        return cov
+    B, Co, Ho, Wo = cov.shape[:4]
+    d = np.stack([cov[:, k, :, :, k] for k in range(Co)], 1)
+    if layout == "diag":
+        return d
+    return np.einsum("bcpqpq->bcpq", d)
+
+
+def transposed(g, layout):
+    """gamma_out with its two index sets swapped."""
+    axes = {"full": (0, 4, 5, 6, 1, 2, 3), "diag": (0, 1, 4, 5, 2, 3), "var": (0, 1, 2, 3)}
+    return g.transpose(axes[layout])
+
+
+def problem(rng, B, Ci, Co, G, H, W, k, form, c_form, cb_form, sym=True):
+    """Random float64 inputs: a positive semi-definite gamma of the form, c of its form."""
+    Cg, (kh, kw) = Ci // G, k
+    n = Ci * H * W
+    A = rng.normal(size=(B, n, n))
+    Gam = A @ A.transpose(0, 2, 1) / n
+    if not sym:
+        Gam = A / np.sqrt(n)
+    gamma = {"none": None, "full": Gam.reshape(B, Ci, H, W, Ci, H, W),
+             "diag": np.stack([Gam.reshape(B, Ci, H * W, Ci, H * W)[:, i, :, i]
+                               for i in range(Ci)], 1).reshape(B, Ci, H, W, H, W),
+             "var": rng.uniform(0.1, 1.0, (B, Ci, H, W))}[form]
+    c = {"none": None, "number": 0.3, "channel": rng.uniform(0.1, 1, Co),
+         "weight": rng.uniform(0.1, 1, (Co, Cg, kh, kw))}[c_form]
+    c_bias = {"none": None, "number": 0.2, "channel": rng.uniform(0.1, 1, Co)}[cb_form]
+    return dict(mu=rng.normal(size=(B, Ci, H, W)), gamma=gamma,
+                weight=rng.normal(size=(Co, Cg, kh, kw)), bias=rng.normal(size=Co), c=c,
+                c_bias=c_bias)
+
+
+GEOMETRIES = {  # (B, Ci, Co, G, H, W, k, stride, padding, dilation)
+    "plain": (2, 2, 3, 1, 4, 4, (2, 2), (1, 1), (0, 0), (1, 1)),
+    "stride-pad-dil-groups": (1, 4, 2, 2, 5, 6, (3, 2), (2, 1), (1, 1), (1, 2)),
+}
+
+
+@pytest.mark.parametrize("geometry", GEOMETRIES)
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("c_form", C_FORMS)
+def test_every_form_and_layout_matches_the_definition(geometry, form, c_form):
+    B, Ci, Co, G, H, W, k, s, p, d = GEOMETRIES[geometry]
+    rng = np.random.default_rng(zlib.crc32(f"{geometry} {form} {c_form}".encode()))
+    for cb_form in ("none", "number", "channel"):
+        a = problem(rng, B, Ci, Co, G, H, W, k, form, c_form, cb_form)
+        mean, cov = reference(**a, stride=s, padding=p, dilation=d, groups=G)
+        for layout in LAYOUTS:
+            mo, go = convcov.conv2d_moments(a["mu"], a["gamma"], a["weight"], a["bias"],
+                                            a["c"], c_bias=a["c_bias"], stride=s, padding=p,
+                                            dilation=d, groups=G, out_layout=layout,
+                                            backend="numpy")
+            assert go.dtype == np.float64 and go.flags.c_contiguous
+            np.testing.assert_allclose(mo, mean, rtol=1e-12, atol=1e-12)
+            np.testing.assert_allclose(go, in_layout(cov, layout), rtol=1e-11, atol=1e-11)
+            np.testing.assert_array_equal(go, transposed(go, layout))
+
+
+def test_a_nonsymmetric_gamma_counts_as_its_symmetric_part():
+    """A covariance is symmetric; given one that is not, gamma_out is that of
+    (gamma + gamma^T) / 2 (K gamma K^T is symmetrised)."""
+    rng = np.random.default_rng(3)
+    a = problem(rng, 1, 2, 2, 1, 4, 4, (2, 2), "full", "number", "none", sym=False)
+    g = a["gamma"].reshape(1, 32, 32)
+    sym = ((g + g.transpose(0, 2, 1)) / 2).reshape(a["gamma"].shape)
+    _, got = convcov.conv2d_moments(a["mu"], a["gamma"], a["weight"], c=0.3, padding=1)
+    _, want = convcov.conv2d_moments(a["mu"], sym, a["weight"], c=0.3, padding=1)
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+DTYPES = {"numpy": ("float16", "float32", "float64"),
+          "torch": ("float16", "bfloat16", "float32", "float64")}
+
+
+@settings(max_examples=150)
+@given(data=st.data())
+def test_random_problems_match_the_definition(data):
+    """Any shapes, conv parameters, forms, layouts, dtypes per input, array kinds, an out
+    of its own dtype or none, and the backends: within the forward error bound of a sum
+    of products in the dtype computed in (float32, float64 when an input is), rounded
+    once into the result's dtype; exactly symmetric."""
+    draw = data.draw
+    G = draw(st.integers(1, 2), label="groups")
+    Ci, Co = G * draw(st.integers(1, 2)), G * draw(st.integers(1, 2))
+    kh, kw = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    s = (draw(st.integers(1, 2)), draw(st.integers(1, 2)))
+    p = (draw(st.integers(0, 1)), draw(st.integers(0, 1)))
+    d = (draw(st.integers(1, 2)), draw(st.integers(1, 2)))
+    H = draw(st.integers(max(1, d[0] * (kh - 1) + 1 - 2 * p[0]), d[0] * (kh - 1) + 3))
+    W = draw(st.integers(max(1, d[1] * (kw - 1) + 1 - 2 * p[1]), d[1] * (kw - 1) + 3))
+    B = draw(st.integers(1, 2), label="B")
+    form, layout = draw(st.sampled_from(FORMS)), draw(st.sampled_from(LAYOUTS))
+    c_form = draw(st.sampled_from(C_FORMS))
+    cb_form = draw(st.sampled_from(("none", "number", "channel")))
+    kind = draw(st.sampled_from(("numpy", "torch")), label="kind")
+    backend = draw(st.sampled_from((None, "numpy")), label="backend")
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1), label="seed"))
+    a = problem(rng, B, Ci, Co, G, H, W, (kh, kw), form, c_form, cb_form)
+    args, dts = {}, []
+    for name, v in a.items():
+        if v is None or isinstance(v, float):
+            args[name] = v
+            continue
+        dt = draw(st.sampled_from(DTYPES[kind]), label=f"dtype of {name}")
+        dts.append(dt)
+        args[name] = make(v, kind, dt)
+    out, out_dt = None, None
+    if draw(st.booleans(), label="out given"):
+        out_dt = draw(st.sampled_from(DTYPES[kind]), label="dtype of out")
+        Ho, Wo = out_size(H, kh, s[0], p[0], d[0]), out_size(W, kw, s[1], p[1], d[1])
+        shape = {"full": (B, Co, Ho, Wo, Co, Ho, Wo), "diag": (B, Co, Ho, Wo, Ho, Wo),
+                 "var": (B, Co, Ho, Wo)}[layout]
+        out = make(np.full(shape, np.nan), kind, out_dt)
+        dts.append(out_dt)
+    geo = dict(stride=s, padding=p, dilation=d, groups=G)
+    mo, go = convcov.conv2d_moments(args["mu"], args["gamma"], args["weight"], args["bias"],
+                                    args["c"], c_bias=args["c_bias"], out_layout=layout,
+                                    out=out, backend=backend, **geo)
+    acc = "float64" if "float64" in dts else "float32"
+    assert out is None or go is out
+    assert str(mo.dtype).removeprefix("torch.") == acc
+    assert str(go.dtype).removeprefix("torch.") == (out_dt or acc)
+
+    # The reference sees the values the call saw (rounded to their dtypes); the bound is
+    # the same sums on absolute values.
+    vals = {k: (None if v is None else v if isinstance(v, float) else to_f64(v))
+            for k, v in args.items()}
+    mean, cov = reference(**vals, **geo)
+    absv = {k: (None if v is None else abs(v) if isinstance(v, float) else np.abs(v))
+            for k, v in vals.items()}
+    bmean, bcov = reference(**absv, **geo)
+    terms = (Ci // G * kh * kw) ** 2 + 2 * Ci // G * kh * kw + 4
+    for got, want, bound, dt in ((mo, mean, bmean, acc),
+                                 (go, in_layout(cov, layout), in_layout(bcov, layout),
+                                  out_dt or acc)):
+        err = np.abs(to_f64(got) - want)
+        tol = tolerance(bound, terms, acc, dt)
+        assert np.all(err <= tol), f"worst error {err.max():.3g}, tolerance {tol.max():.3g}"
+    g64 = to_f64(go)
+    np.testing.assert_array_equal(g64, transposed(g64, layout))
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+@pytest.mark.parametrize("layout", ["full", "diag"])
+@pytest.mark.parametrize("form", FORMS)
+def test_gamma_out_is_exactly_symmetric(kind, layout, form):
+    rng = np.random.default_rng(7)
+    a = problem(rng, 2, 4, 4, 2, 6, 5, (3, 3), form, "weight", "channel")
+    args = {k: (v if v is None or isinstance(v, float) else make(v, kind, "float32"))
+            for k, v in a.items()}
+    _, go = convcov.conv2d_moments(args["mu"], args["gamma"], args["weight"], args["bias"],
+                                   args["c"], c_bias=args["c_bias"], padding=1, groups=2,
+                                   out_layout=layout)
+    g = to_f64(go)
+    assert np.array_equal(g, transposed(g, layout))
+
+
+def test_backends_give_the_same_result():
+    rng = np.random.default_rng(5)
+    a = problem(rng, 2, 3, 4, 1, 6, 6, (3, 3), "full", "channel", "none")
+    results = [convcov.conv2d_moments(a["mu"], a["gamma"], a["weight"], c=a["c"], padding=1,
+                                      backend=b)[1] for b in ("numpy", "numba", None)]
+    for r in results[1:]:
+        np.testing.assert_allclose(r, results[0], rtol=1e-12, atol=1e-12)
+
+
+def test_empty_batch_and_the_bias_alone():
+    mo, go = convcov.conv2d_moments(np.zeros((0, 2, 5, 5)), None, np.ones((3, 2, 3, 3)),
+                                    c=0.1, padding=1)
+    assert mo.shape == (0, 3, 5, 5) and go.shape == (0, 3, 5, 5, 3, 5, 5)
+    # no input channel: y is the (noisy) bias alone
+    mo, go = convcov.conv2d_moments(np.zeros((1, 0, 2, 2)), None, np.ones((2, 0, 1, 1)),
+                                    np.array([1.0, 2.0]), 0.5, c_bias=np.array([0.1, 0.2]),
+                                    out_layout="diag")
+    np.testing.assert_array_equal(mo[0, :, 0, 0], [1.0, 2.0])
+    np.testing.assert_allclose(go[0, 1], np.full((2, 2, 2, 2), 0.2))
+
+
+def test_out_receives_gamma_out_rounded_once():
+    rng = np.random.default_rng(1)
+    a = problem(rng, 1, 2, 2, 1, 5, 5, (3, 3), "diag", "number", "number")
+    ref = convcov.conv2d_moments(a["mu"].astype(np.float32), a["gamma"].astype(np.float32),
+                                 a["weight"].astype(np.float32), c=0.3, c_bias=0.2)[1]
+    out = np.zeros((1, 2, 3, 3, 2, 3, 3), np.float16)
+    view = np.zeros((1, 2, 3, 3, 2, 3, 3, 2), np.float32)[..., 0]  # a strided out
+    for o in (out, view):
+        r = convcov.conv2d_moments(a["mu"].astype(np.float32), a["gamma"].astype(np.float32),
+                                   a["weight"].astype(np.float32), c=0.3, c_bias=0.2, out=o)[1]
+        assert r is o
+        np.testing.assert_array_equal(o, ref.astype(o.dtype))
+
+
+# ----------------------------------------------------------------------------------------
+# Errors: every check before anything is written.
+
+def _ok():
+    return dict(mu=np.ones((2, 4, 5, 5)), gamma=None, weight=np.ones((6, 2, 3, 3)),
+                bias=None, c=None)
+
+
+@pytest.mark.parametrize("change, error, names", [
+    (dict(mu=np.ones((2, 4, 5))), convcov.ShapeError, "mu"),
+    (dict(weight=np.ones((6, 2, 3))), convcov.ShapeError, "weight"),
+    (dict(weight=np.ones((6, 3, 3, 3))), convcov.ShapeError, "weight"),
+    (dict(weight=np.ones((5, 2, 3, 3))), convcov.ShapeError, "groups"),
+    (dict(mu=np.ones((2, 4, 1, 1))), convcov.ShapeError, "mu"),
+    (dict(bias=np.ones(5)), convcov.ShapeError, "bias"),
+    (dict(gamma=np.ones((2, 4, 5, 5, 5))), convcov.ShapeError, "gamma"),
+    (dict(gamma=np.ones((2, 4, 5, 5, 4, 5, 4))), convcov.ShapeError, "gamma"),
+    (dict(gamma=np.ones((1, 4, 5, 5))), convcov.ShapeError, "gamma"),
+    (dict(c=np.ones(5)), convcov.ShapeError, "c"),
+    (dict(c=np.ones((6, 2, 3, 2))), convcov.ShapeError, "c"),
+    (dict(c_bias=np.ones(2)), convcov.ShapeError, "c_bias"),
+    (dict(out_layout="half"), ValueError, "out_layout"),
+    (dict(mu=np.ones((2, 4, 5, 5), np.int64)), TypeError, "mu"),
+    (dict(weight=np.ones((6, 2, 3, 3), complex)), TypeError, "weight"),
+    (dict(c=True), TypeError, "c"),
+    (dict(c="0.1"), TypeError, "c"),
+    (dict(weight=torch.ones(6, 2, 3, 3)), TypeError, "weight: torch"),
+    (dict(backend="cuda"), convcov.BackendError, "unknown backend 'cuda'"),
+    (dict(out=np.zeros((2, 6, 3, 3, 3, 3))), convcov.ShapeError, "out"),
+    (dict(out=np.zeros((2, 6, 3, 3, 6, 3, 3), np.int32)), TypeError, "out"),
+])
+def test_bad_calls_raise_and_name_the_argument(change, error, names):
+    args = {**_ok(), "groups": 2} | change
+    with pytest.raises(error, match=names):
+        convcov.conv2d_moments(**args)
+
+
+def test_rejected_out_is_left_bit_identical():
+    a = _ok()
+    out = np.arange(2 * 6 * 81, dtype=np.float64).reshape(2, 6, 3, 3, 3, 3)
+    before = out.copy()
+    out.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        convcov.conv2d_moments(**a, groups=2, out_layout="diag", out=out)
+    out.flags.writeable = True
+    buf = np.zeros(2 * 6 * 81 + 200)
+    mu = buf[:200].reshape(2, 4, 5, 5)  # out below shares memory with mu
+    shared = buf[100:100 + 2 * 6 * 81].reshape(2, 6, 3, 3, 3, 3)
+    with pytest.raises(ValueError, match="shares memory with mu"):
+        convcov.conv2d_moments(mu, None, a["weight"], groups=2, out_layout="diag", out=shared)
+    z = np.zeros((1, 6, 3, 3))  # a writable zero-stride out: two batches, one memory
+    zero_stride = np.lib.stride_tricks.as_strided(z, (2, 6, 3, 3), (0, *z.strides[1:]))
+    with pytest.raises(ValueError, match="share memory"):
+        convcov.conv2d_moments(**a, groups=2, out_layout="var",
+                               out=zero_stride)
+    with pytest.raises(convcov.ShapeError, match="c"):
+        convcov.conv2d_moments(**{**a, "c": np.ones(5)}, groups=2, out_layout="diag", out=out)
+    np.testing.assert_array_equal(out, before)
+
+
+# ----------------------------------------------------------------------------------------
+# Monte Carlo: the moments of real noisy convolutions.
+#
+# n draws of (x, noisy weights, noisy bias), one grouped conv2d per layer (sample i is
+# group i). Each sample mean and covariance element gets z = (estimate - exact) / its
+# standard error (from the same draws' fourth moments for the covariance); under the
+# exact moments the z are ~N(0, 1) but correlated (the draws are shared), so the checks
+# are on their spread: max |z| <= 6, |mean z| <= 0.75, std z within [0.65, 1.35] (the
+# bounds of tests/test_montecarlo.py). Over 10 other seeds of each case the mean and the
+# covariance reached max |z| 4.6, |mean z| 0.38, std z 0.82..1.21; with c and c_bias 10 %
+# too large, max |z| was 6.8 or more in every one, which the power check asserts here.
+
+N_DRAWS = 20_000
+LAYER_STACK = [  # (Ci, Co, k, stride, padding, dilation, groups)
+    (2, 4, 3, 1, 1, 1, 2),
+    (4, 3, 2, 2, 0, 1, 1),
+    (3, 2, 2, 1, 1, 2, 1),
+]
+
+
+def _layers(rng, stack):
+    out = []
+    for Ci, Co, k, s, p, d, G in stack:
+        w = rng.normal(0, 0.5, (Co, Ci // G, k, k))
+        out.append(dict(weight=w, bias=rng.normal(0, 0.5, Co), c=rng.uniform(0.02, 0.1, w.shape),
+                        c_bias=rng.uniform(0.02, 0.1, Co), stride=s, padding=p, dilation=d,
+                        groups=G))
+    return out
+
+
+def _sample(rng, mu, gamma, layers, n):
+    """n draws of the stack's output, flattened: (B, n, P)."""
+    B, Ci, H, W = mu.shape
+    chol = np.linalg.cholesky(gamma.reshape(B, Ci * H * W, Ci * H * W))
+    z = rng.standard_normal((B, n, Ci * H * W))
+    x = mu.reshape(B, 1, -1) + np.einsum("bpq,bnq->bnp", chol, z)
+    y = torch.from_numpy(x.reshape(B, n * Ci, H, W))
+    for L in layers:
+        w = L["weight"] + np.sqrt(L["c"]) * rng.standard_normal((n, *L["weight"].shape))
+        b = L["bias"] + np.sqrt(L["c_bias"]) * rng.standard_normal((n, L["bias"].size))
+        Co, Cg = L["weight"].shape[:2]
+        y = F.conv2d(y, torch.from_numpy(w.reshape(n * Co, Cg, *w.shape[3:])),
+                     torch.from_numpy(b.reshape(-1)), L["stride"], L["padding"],
+                     L["dilation"], n * L["groups"])
+    return y.numpy().reshape(B, n, -1)
+
+
+def _propagate(mu, gamma, layers, scale=1.0):
+    g = torch.from_numpy(gamma)
+    m = torch.from_numpy(mu)
+    for L in layers:
+        m, g = convcov.conv2d_moments(
+            m, g, torch.from_numpy(L["weight"]), torch.from_numpy(L["bias"]),
+            torch.from_numpy(L["c"] * scale), c_bias=torch.from_numpy(L["c_bias"] * scale),
+            stride=L["stride"], padding=L["padding"], dilation=L["dilation"],
+            groups=L["groups"])
+    B = m.shape[0]
+    return m.numpy().reshape(B, -1), g.numpy().reshape(B, m[0].numel(), m[0].numel())
+
+
+def _z(samples, mean, cov):
+    d = samples - mean[:, None]
+    n = samples.shape[1]
+    z_mean = d.mean(1) / (d.std(1) / np.sqrt(n))
+    s = np.einsum("bnp,bnq->bpq", d, d) / n
+    se = np.sqrt(np.maximum(np.einsum("bnp,bnq->bpq", d * d, d * d) / n - s * s, 0) / n)
+    iu = np.triu_indices(cov.shape[1])
+    return z_mean.ravel(), ((s - cov) / se)[:, iu[0], iu[1]].ravel()
+
+
+def _bad(z):
+    return [why for why, bad in (
+        (f"max |z| {np.abs(z).max():.1f}", not np.abs(z).max() <= 6.0),
+        (f"mean z {z.mean():+.2f}", not abs(z.mean()) <= 0.75),
+        (f"std z {z.std():.2f}", not 0.65 <= z.std() <= 1.35)) if bad]
+
+
+@pytest.mark.parametrize("depth", [1, 3], ids=["one layer", "a stack of three"])
+def test_moments_match_monte_carlo(depth):
+    rng = np.random.default_rng(depth)
+    B, Ci, H, W = 2, 2, 6, 6
+    n = Ci * H * W
+    A = rng.normal(size=(B, n, n))
+    gamma = (A @ A.transpose(0, 2, 1) / n + 0.1 * np.eye(n)).reshape(B, Ci, H, W, Ci, H, W)
+    mu = rng.normal(0.5, 1.0, (B, Ci, H, W))
+    layers = _layers(rng, LAYER_STACK[:depth])
+    samples = _sample(rng, mu, gamma, layers, N_DRAWS)
+    mean, cov = _propagate(mu, gamma, layers)
+    z_mean, z_cov = _z(samples, mean, cov)
+    assert not _bad(z_mean), _bad(z_mean)
+    assert not _bad(z_cov), _bad(z_cov)
+    # power: the same draws reject noise variances 10 % too large
+    assert _bad(_z(samples, *_propagate(mu, gamma, layers, scale=1.1))[1])
+
+
+# ----------------------------------------------------------------------------------------
+# Autograd
+
+@pytest.mark.parametrize("form, layout, c_form", [
+    ("full", "full", "number"), ("full", "diag", "weight"), ("full", "var", "channel"),
+    ("diag", "full", "weight"), ("diag", "diag", "channel"), ("var", "var", "weight"),
+    ("var", "diag", "number"), ("none", "full", "channel"),
+])
+def test_gradcheck_in_every_input(form, layout, c_form):
+    rng = np.random.default_rng(0)
+    G = 2 if layout == "diag" else 1
+    a = problem(rng, 1, 2, 2, G, 3, 3, (2, 2), form, c_form, "channel")
+    if c_form == "number":
+        a["c"] = np.array(0.3)  # a 0-d tensor: it gets a gradient too
+    names = [k for k, v in a.items() if v is not None]
+    ts = [torch.from_numpy(np.asarray(a[k])).requires_grad_() for k in names]
+
+    def f(*xs):
+        kw = dict(zip(names, xs))
+        return convcov.conv2d_moments(kw["mu"], kw.get("gamma"), kw["weight"], kw["bias"],
+                                      kw["c"], c_bias=kw["c_bias"], padding=1, groups=G,
+                                      out_layout=layout, backend="numpy")
+
+    assert torch.autograd.gradcheck(f, ts)
+
+
+def test_nn_moments_reads_the_layer():
+    import convcov.nn
+
+    conv = torch.nn.Conv2d(4, 6, 3, stride=2, padding=1, groups=2).double()
+    mu = torch.rand(2, 4, 7, 7, dtype=torch.float64)
+    gamma = torch.rand(2, 4, 7, 7, dtype=torch.float64)
+    m, v = convcov.nn.moments(conv, mu, gamma, c=0.01, c_bias=0.02, out_layout="var")
+    m2, v2 = convcov.conv2d_moments(mu, gamma, conv.weight, conv.bias, 0.01, c_bias=0.02,
+                                    stride=2, padding=1, groups=2, out_layout="var")
+    torch.testing.assert_close(m, conv(mu))
+    torch.testing.assert_close(v, v2)
+    assert m.requires_grad  # through the layer's parameters
+
+
+# ----------------------------------------------------------------------------------------
+# The example and the benchmark run (small sizes: their checks, not their speed).
+
+def test_the_stack_example_agrees_with_monte_carlo(capsys):
+    import re
+    import runpy
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "moments_stack.py"
+    runpy.run_path(str(path), run_name="example")["main"](["--small"])
+    text = capsys.readouterr().out
+    z = re.search(r"mean z (\S+), std z (\S+), max \|z\| (\S+);", text)
+    assert abs(float(z[1])) < 0.75 and 0.65 < float(z[2]) < 1.35 and float(z[3]) < 6
+
+
+def test_bench_checks_and_times_every_row(monkeypatch, capsys):
+    from convcov import bench_moments, cli
+
+    tiny = bench_moments.Layer("tiny", 2, 3, 5, 3, 1, 1, 1, 1)
+    monkeypatch.setattr(bench_moments, "LAYERS", {"tiny": (tiny, tiny)})
+    cli.main(["bench", "--suite", "moments", "--device", "cpu", "--workload", "tiny",
+              "--repeat", "3", "--budget", "0"])
+    text = capsys.readouterr().out
+    for impl in ("conv2d_moments full", "conv2d_moments var (numpy)", "two conv2d"):
+        assert impl in text
+    rows = bench_moments.run("cpu", ["tiny"], repeat=3, budget_s=0)["rows"]
+    timed = [r for r in rows if "seconds" in r]
+    assert len(timed) >= 7 and all(r["error"] < 1e-5 for r in timed)
+    with pytest.raises(ValueError, match="unknown layer"):
+        bench_moments.run("cpu", ["nope"])
