@@ -542,13 +542,11 @@ __global__ void GSUM_BOUNDS cc_gsum(const Args a) {
 // Grid: x over q, y over p0, z over (b, g, chunk); y and z loop, so any size fits. Terms
 // with a position in the padding are skipped (SPEC section 1). In-plane offsets of
 // gamma's and mu's (x1, y1) are 32-bit (the host checks they fit), the rest 64-bit.
-// Blocks a multiprocessor: T source at most 80 registers, direct source at most 128.
-#ifndef UNROLL_OUT
+// Channels whose loads of out are in flight together: 8 (at 2 blocks a multiprocessor, for
+// its registers) was 1-30% slower on every layer of the suite (H200).
 #define UNROLL_OUT 4
-#endif
-#ifndef FUSED_T_BLOCKS
+// Blocks a multiprocessor from T (at most 80 registers; the direct source: 2, 128): 4 spills.
 #define FUSED_T_BLOCKS 3
-#endif
 template <typename To, typename Tg, typename Acc, int V, int SRC_T>
 __global__ void __launch_bounds__(THREADS, SRC_T ? FUSED_T_BLOCKS : 2) cc_fused(const Args a) {
   enum { KU = SRC_T ? (V >= 2 ? 16 / V : 8) : (V >= 2 ? (8 / V > 0 ? 8 / V : 1) : 4) };
