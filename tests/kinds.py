@@ -177,6 +177,9 @@ def op_loops(out, gamma, mu, c, kh, kw, stride=(1, 1), padding=(0, 0), dilation=
 
 #: Unit roundoff of each dtype.
 UNIT = {"float16": 2.0**-11, "bfloat16": 2.0**-8, "float32": 2.0**-24, "float64": 2.0**-53}
+#: Half the smallest subnormal of each dtype: the absolute error of rounding below its
+#: normal range, where the relative bound UNIT no longer holds.
+TINY = {"float16": 2.0**-25, "bfloat16": 2.0**-134, "float32": 2.0**-150, "float64": 0.0}
 
 
 def tolerance(bound: np.ndarray, n_terms: int, acc: str, out_dtype: str) -> np.ndarray:
@@ -185,8 +188,10 @@ def tolerance(bound: np.ndarray, n_terms: int, acc: str, out_dtype: str) -> np.n
     ``bound`` is the same sum on absolute values (|out0| + |c| * S(|gamma|, |mu|)). A sum of
     n terms accumulated in ``acc`` is off by at most about n * u_acc * bound; rounding into
     ``out`` adds u_out * |result| <= u_out * bound. The factor 2 covers products and FMA.
+    Each rounding below a dtype's normal range is off by up to TINY absolutely instead.
     """
-    return (UNIT[out_dtype] + 2 * (n_terms + 2) * UNIT[acc]) * bound + 1e-300
+    return ((UNIT[out_dtype] + 2 * (n_terms + 2) * UNIT[acc]) * bound
+            + TINY[out_dtype] + 2 * (n_terms + 2) * TINY[acc] + 1e-300)
 
 
 class FakeCudaArray:
