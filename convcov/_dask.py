@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 import sys
+import threading
 import warnings
 
 import dask
@@ -157,10 +159,82 @@ def _block(x):
     return x
 
 
-def _accumulate_task(out, gamma, mu, c, **params):
-    out = out.copy()  # a chunk is never written: other tasks may hold it
-    _frontend.accumulate(out, _block(gamma), _block(mu), _block(c), **params)
-    return _settle(out)
+class _Lease:
+    """The array interface of one buffer of a :class:`_Pool`: a NumPy array made from it
+    (and every view of that array) holds the lease as its base, so the lease dies, and
+    gives the buffer back, only once no array uses the memory."""
+
+    __slots__ = ("__array_interface__", "_pool", "_buf")
+
+    def __init__(self, pool, buf, shape, dtype):
+        self._pool, self._buf = pool, buf
+        self.__array_interface__ = {"shape": shape, "typestr": dtype.str, "version": 3,
+                                    "data": (buf.__array_interface__["data"][0], False)}
+
+    def __del__(self):
+        self._pool.give_back(self._buf)
+
+
+class _Pool:
+    """Host memory for the results of accumulate's tasks, reused once dask drops them.
+
+    A task's result is new memory (a chunk is never written). A new array of hundreds of
+    megabytes costs the operating system a page fault and the zeroing of every page, more
+    than the call itself on the host; a result that dask has dropped gives its buffer back
+    here and the next task of that size reuses it. Buffers of at least ``smallest`` bytes;
+    at most ``limit`` bytes are kept idle (the rest go back to the system)."""
+
+    def __init__(self, limit: int, smallest: int = 1 << 20):
+        self.limit, self.smallest, self.idle_bytes = limit, smallest, 0
+        self._idle: dict[int, list] = {}
+        self._lock = threading.RLock()  # re-entrant: a lease may die inside the lock (GC)
+
+    def empty(self, shape, dtype):
+        dtype = np.dtype(dtype)
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes < self.smallest:
+            return np.empty(shape, dtype)
+        with self._lock:
+            bufs = self._idle.get(nbytes)
+            buf = bufs.pop() if bufs else None
+            if buf is not None:
+                self.idle_bytes -= nbytes
+        if buf is None:
+            buf = np.empty(nbytes, np.uint8)
+        return np.asarray(_Lease(self, buf, tuple(shape), dtype))
+
+    def give_back(self, buf):
+        with self._lock:
+            if self.idle_bytes + buf.nbytes <= self.limit:
+                self._idle.setdefault(buf.nbytes, []).append(buf)
+                self.idle_bytes += buf.nbytes
+
+
+def _physical_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # no sysconf (Windows): assume 8 GiB
+        return 8 << 30
+
+
+#: Idle result memory at most an eighth of the machine's.
+_pool = _Pool(_physical_bytes() // 8)
+
+
+def _accumulate_task(out, gamma, mu, c, kernel_size, stride, padding, dilation, groups,
+                     backend):
+    # A chunk is never written (other tasks may hold it): the result is new memory, on
+    # the host written straight from out (accumulate_apart); CuPy's own pool reuses
+    # device memory and a copy there costs little.
+    gamma, mu, c = _block(gamma), _block(mu), _block(c)
+    conv = (kernel_size, stride, padding, dilation, groups, backend)
+    if type(out) is np.ndarray:
+        return _frontend.accumulate_apart(_pool.empty(out.shape, out.dtype), out, gamma, mu,
+                                          c, *conv)
+    new = out.copy()
+    _frontend.accumulate(new, gamma, mu, c, kernel_size, stride=stride, padding=padding,
+                         dilation=dilation, groups=groups, backend=backend)
+    return _settle(new)
 
 
 def _patch_moment_task(gamma, mu, **params):

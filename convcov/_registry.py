@@ -22,6 +22,8 @@ import threading
 import warnings
 from typing import NamedTuple
 
+import numpy as np
+
 from ._errors import BackendError
 
 #: Built-in backends, by name -> module that defines ``backend``. One name everywhere.
@@ -73,6 +75,16 @@ class Backend:
 
     def accumulate(self, problem) -> None:  # pragma: no cover - interface
         raise NotImplementedError
+
+    def accumulate_apart(self, problem, source) -> None:
+        """``problem.out = source + c[c0] * S`` on its channel diagonal, ``source`` (a host
+        array of out's shape, dtype and strides, diagonal layout, its rows ``(i1, j1)``
+        contiguous) only read:
+        for callers that may not write their ``out`` (dask's tasks). The default copies
+        source into out and accumulates; a backend that can read one array and write
+        another overrides it and saves the copy."""
+        np.copyto(problem.out, source)
+        self.accumulate(problem)
 
     def bind(self, problem):
         """A launcher for later calls with ``problem``'s signature, or None (the default).

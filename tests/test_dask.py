@@ -267,6 +267,47 @@ def test_nothing_to_add_returns_out():
     assert S.compute(scheduler="sync").shape == (0, 1, 2, 2, 2, 2)
 
 
+@pytest.mark.parametrize("backend", ["numba", "numpy"])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_a_task_writes_its_result_apart_and_leaves_its_chunk(backend, dtype):
+    """What each accumulate task does (docs/dask.md, "Memory"): the result, new memory,
+    bit for bit the in-place call's, its out chunk unchanged; also for a chunk whose rows
+    are not contiguous (then copied first)."""
+    from convcov import _frontend
+
+    rng = np.random.default_rng(7)
+    mu = rng.random((2, 4, 7, 7)).astype(dtype)
+    gamma = rng.random((2, 4, 7, 7, 7, 7)).astype(np.float32)
+    c = rng.random(6).astype(np.float32)
+    conv = ((3, 3), (2, 1), (1, 0), (1, 2), 2, backend)
+    base = rng.random((2, 6, 4, 3, 4, 3)).astype(dtype)
+    for out in (base, base.transpose(0, 1, 3, 2, 5, 4).copy().transpose(0, 1, 3, 2, 5, 4)):
+        saved = out.copy()
+        new = _frontend.accumulate_apart(np.empty(out.shape, dtype), out, gamma, mu, c, *conv)
+        want = convcov.accumulate(out.copy(), gamma, mu, c, 3, stride=(2, 1), padding=(1, 0),
+                                  dilation=(1, 2), groups=2, backend=backend)
+        np.testing.assert_array_equal(new, want)
+        np.testing.assert_array_equal(out, saved)
+        assert not np.array_equal(new, out)
+
+
+def test_result_memory_is_reused_only_once_no_array_holds_it():
+    """Results come from a pool of host buffers (docs/dask.md, "Memory"): a view of a
+    dropped result chunk keeps its values while later results of its size are computed."""
+    shape = (1, 4, 16, 16, 16, 16)  # results of 1 MiB: pooled
+    mu = da.from_array(np.ones((1, 4, 18, 18), np.float32), chunks=-1)
+    out = da.from_array(np.zeros(shape, np.float32), chunks=-1)
+    (held,) = dask.persist(convcov.accumulate(out, None, mu, 1.0, 3), scheduler="sync")
+    chunk = held.to_delayed().ravel()[0].compute(scheduler="sync")  # the result itself
+    view = chunk[0, 1:3]
+    del held, chunk
+    for c in (2.0, 3.0, 4.0):
+        (later,) = dask.persist(convcov.accumulate(out, None, mu, c, 3), scheduler="sync")
+        assert np.all(later.compute(scheduler="sync") == 4 * 9 * c)  # 4 channels, 9 taps
+        del later
+    assert np.all(view == 4 * 9 * 1.0)
+
+
 def _base():
     rng = np.random.default_rng(1)
     return dict(out=rng.random((2, 4, 3, 3, 3, 3)).astype(np.float32),

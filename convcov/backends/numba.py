@@ -549,9 +549,15 @@ def _add_plane_any(dst, addr, code, off, sx, sy, H, W, scale):
 def _row_adder(dec, enc):
     """A compiled ``add_row`` with decoder and encoder of out's dtype built in."""
 
-    def add_row(ptr, off, si, sj, Ho, Wo, srow, cc):
-        """``ptr[off + i1*si + j1*sj] += cc * srow[i1*Wo + j1]``, rounded once into ptr's dtype."""
+    def add_row(ptr, off, si, sj, Ho, Wo, srow, cc, wptr, apart):
+        """``ptr[off + i1*si + j1*sj] += cc * srow[i1*Wo + j1]``, rounded once into ptr's
+        dtype; ``apart``: the sum goes to ``wptr`` instead (a contiguous plane only), ptr
+        is only read."""
         if sj == 1 and si == Wo:  # a contiguous Ho x Wo plane: one run
+            if apart:
+                for e in range(Ho * Wo):
+                    _store_nt(wptr, off + e, enc(dec(ptr[off + e]) + cc * srow[e]))
+                return
             for e in range(Ho * Wo):
                 ptr[off + e] = enc(dec(ptr[off + e]) + cc * srow[e])
             return
@@ -576,15 +582,16 @@ _add_row_bf16 = _row_adder(_bf16_decode, _bf16_encode)
 
 
 @njit(**_inner)
-def _add_row_any(addr, code, off, si, sj, Ho, Wo, srow, cc):
+def _add_row_any(addr, code, off, si, sj, Ho, Wo, srow, cc, waddr):
+    apart = waddr != addr
     if code == F32:
-        _add_row_f32(_f32_at(addr), off, si, sj, Ho, Wo, srow, cc)
+        _add_row_f32(_f32_at(addr), off, si, sj, Ho, Wo, srow, cc, _f32_at(waddr), apart)
     elif code == F64:
-        _add_row_f64(_f64_at(addr), off, si, sj, Ho, Wo, srow, cc)
+        _add_row_f64(_f64_at(addr), off, si, sj, Ho, Wo, srow, cc, _f64_at(waddr), apart)
     elif code == F16:
-        _add_row_f16(_u16_at(addr), off, si, sj, Ho, Wo, srow, cc)
+        _add_row_f16(_u16_at(addr), off, si, sj, Ho, Wo, srow, cc, _u16_at(waddr), apart)
     else:
-        _add_row_bf16(_u16_at(addr), off, si, sj, Ho, Wo, srow, cc)
+        _add_row_bf16(_u16_at(addr), off, si, sj, Ho, Wo, srow, cc, _u16_at(waddr), apart)
 
 
 def _window_adder(dec):
@@ -759,7 +766,7 @@ def _inside(offset, s, n, n_out):
 _PRM = ("B Ci Co G H W Ho Wo kh kw sh sw ph pw dh dw pairs "
         "o_addr o_code o_b o_c o_i0 o_j0 o_i1 o_j1 "
         "g_addr g_code g_b g_c g_x0 g_y0 g_x1 g_y1 "
-        "m_addr m_code m_b m_c m_x m_y c_addr c_code c_s pf_gamma pf_out direct").split()
+        "m_addr m_code m_b m_c m_x m_y c_addr c_code c_s pf_gamma pf_out direct w_addr").split()
 
 
 def _kernel(prm, c_value, M):
@@ -777,6 +784,7 @@ def _kernel(prm, c_value, M):
     c_addr, c_code, c_s = prm[39], prm[40], prm[41]
     PF_GAMMA, PF_OUT = prm[42], prm[43]
     direct = prm[44] != 0  # S rows straight from gamma and mu: no phase 1, no M
+    w_addr = prm[45]  # where the sums go: o_addr (in place) or a result apart from out
     with_gamma = g_code != ABSENT
     same_code = not with_gamma or g_code == m_code
     Cg, Cog, HW, HoWo = Ci // G, Co // G, H * W, Ho * Wo
@@ -949,7 +957,9 @@ def _kernel(prm, c_value, M):
                     cc = _like(c_value if c_code == ABSENT else
                                _load(c_addr, c_code, c0 * c_s), M)
                     off = b * o_b + c0 * o_c + i0 * o_i0 + j0 * o_j0
-                    _add_row_any(o_addr, o_code, off, o_i1, o_j1, Ho, Wo, srow, cc)
+                    _add_row_any(o_addr, o_code, off, o_i1, o_j1, Ho, Wo, srow, cc, w_addr)
+            if w_addr != o_addr:
+                _store_fence()  # the non-temporal stores of the result apart from out
             # Raw pointers do not hold a reference: use the buffers last, here, so that
             # Numba cannot free them while the pointers are in use.
             box_buf[0] = srow_buf[0] = 0
@@ -1287,8 +1297,8 @@ PREFETCH_FROM_BYTES = 8 << 20
 #: non-temporal stores (measured on the ``cpu`` shapes, docs/numba.md).
 STREAM_FROM_BYTES = 8 << 20
 
-_O_ADDR, _G_ADDR, _M_ADDR, _C_ADDR, _PAIRS = (
-    _PRM.index(n) for n in ("o_addr", "g_addr", "m_addr", "c_addr", "pairs"))
+_O_ADDR, _G_ADDR, _M_ADDR, _C_ADDR, _PAIRS, _W_ADDR = (
+    _PRM.index(n) for n in ("o_addr", "g_addr", "m_addr", "c_addr", "pairs", "w_addr"))
 
 
 #: How many times a term of the direct plan's windows (strided gathers, several pointers)
@@ -1344,17 +1354,19 @@ def _params(p):
     pairs = max(1, min(p.B * p.G, CHUNK_BYTES // max(plane * acc_size, 1)))
     prm = np.array((p.B, p.Ci, p.Co, p.G, p.H, p.W, p.Ho, p.Wo, p.kh, p.kw, p.sh, p.sw,
                     p.ph, p.pw, p.dh, p.dw, pairs, *o_part, *g_part, 0,
-                    _CODE[m.dtype], *m.strides, *c_part, *pf, int(direct)), np.int64)
+                    _CODE[m.dtype], *m.strides, *c_part, *pf, int(direct), 0), np.int64)
     assert len(prm) == len(_PRM)
     return prm, acc, plane
 
 
-def _accumulate_at(prms, optr, gptr, mptr, cptr, c_value):
+def _accumulate_at(prms, optr, gptr, mptr, cptr, c_value, wptr=None):
     """One call: a copy of the signature's parameters (_params) with the call's addresses
-    (0 for an absent gamma or a number c) and c_value, the number c."""
+    (0 for an absent gamma or a number c) and c_value, the number c; ``wptr``: where the
+    result goes when not into out itself (accumulate_apart)."""
     prm, acc, plane = prms
     prm = prm.copy()
     prm[_O_ADDR], prm[_G_ADDR], prm[_M_ADDR], prm[_C_ADDR] = optr, gptr, mptr, cptr
+    prm[_W_ADDR] = optr if wptr is None else wptr
     _run(prm, acc(c_value), np.empty(prm[_PAIRS] * plane, acc))
 
 
@@ -1368,6 +1380,13 @@ class NumbaBackend(Backend):
         _accumulate_at(_params(p), p.out_info.ptr,
                        0 if p.gamma_info is None else p.gamma_info.ptr, p.mu_info.ptr, cptr,
                        p.c_value)
+
+    def accumulate_apart(self, p, source) -> None:
+        # out's rows are contiguous (the contract): each is read from source, written to out
+        cptr = 0 if p.c_info is None else p.c_info.ptr
+        _accumulate_at(_params(p), source.__array_interface__["data"][0],
+                       0 if p.gamma_info is None else p.gamma_info.ptr, p.mu_info.ptr, cptr,
+                       p.c_value, p.out_info.ptr)
 
     def bind(self, p):
         """The launcher of p's signature for the front end's fast path (Backend.bind):
