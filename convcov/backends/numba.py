@@ -20,11 +20,13 @@ How it computes (docs/numba.md has the design notes and the measurements):
 * The direct plan, with no M: phase 2 alone, each row summed straight from the strided
   windows of gamma's channel-diagonal planes and of mu (four channels per pass). Its only
   temporaries are the per-thread rows. It reads ``kh*kw*Cg*(Ho*Wo)**2`` terms per pair
-  where the M plan reads ``Cg*(H*W)**2`` into an ``(H*W)**2`` buffer; a direct term costs
-  about ``DIRECT_COST`` contiguous ones, so it is taken when
-  ``DIRECT_COST*kh*kw*(Ho*Wo)**2 < (H*W)**2`` (strides above 1, inputs much larger than
-  the output). The M plan's buffer, where it is used, is so below ``DIRECT_COST*kh*kw``
-  S blocks of one pair: it never grows with ``(H*W)**2`` past what the call computes.
+  where the M plan reads ``Cg*(H*W)**2`` into an ``(H*W)**2`` buffer, which it writes
+  and reads ``kh*kw*(Ho*Wo)**2`` of back; a direct term costs about ``DIRECT_COST``
+  contiguous ones, so it is taken when ``DIRECT_COST*Cg*kh*kw*(Ho*Wo)**2 <
+  (Cg + 1)*(H*W)**2 + kh*kw*(Ho*Wo)**2`` (strides above 1, inputs much larger than the
+  output, or few channels a group). The M plan's buffer, where it is used, is so below
+  ``DIRECT_COST*kh*kw`` S blocks of one pair: it never grows with ``(H*W)**2`` past what
+  the call computes.
 * Parallel over ``(pair, x0)`` in phase 1 and ``(pair, i0)`` in phase 2: both cores are
   busy even for B = 1, G = 1. The channel-diagonal planes of gamma and rows of out are
   short and far apart, so the kernel prefetches a few kilobytes ahead in software.
@@ -1308,10 +1310,12 @@ _O_ADDR, _G_ADDR, _M_ADDR, _C_ADDR, _PAIRS, _W_ADDR = (
 DIRECT_COST = 4
 
 
-def _direct_plan(kh, kw, HW, HoWo):
+def _direct_plan(kh, kw, HW, HoWo, Cg):
     """Whether the forward takes the direct plan (no M)."""
-    # Per channel it reads kh*kw*(Ho*Wo)**2 terms where phase 1 reads (H*W)**2 into M.
-    return DIRECT_COST * kh * kw * HoWo**2 < HW**2
+    # Per pair it reads Cg*kh*kw*(Ho*Wo)**2 terms where the M plan reads Cg*(H*W)**2 into
+    # M, writes M's (H*W)**2 and reads kh*kw*(Ho*Wo)**2 of it back: with few channels M's
+    # own traffic counts (mb-dw-s2, one channel a group: direct about 1.1x as fast).
+    return DIRECT_COST * Cg * kh * kw * HoWo**2 < Cg * HW**2 + HW**2 + kh * kw * HoWo**2
 
 
 #: How many times a term of the backward's grad_mu windows (strided, short runs) costs a
@@ -1341,7 +1345,7 @@ def _params(p):
     else:
         g_part = (0, _CODE[gi.dtype]) + diag_strides(gi.strides, p.full_gamma)
     Cg = p.Ci // p.G
-    direct = _direct_plan(p.kh, p.kw, p.H * p.W, p.Ho * p.Wo)
+    direct = _direct_plan(p.kh, p.kw, p.H * p.W, p.Ho * p.Wo, p.Ci // p.G)
     pf = (0, 0)
     if sum(p.diagonal_bytes()) >= PREFETCH_FROM_BYTES:
         isz = 2 if gi is None else _ITEMSIZE[gi.dtype]
