@@ -794,8 +794,10 @@ def _kernel(prm, c_value, M):
         n = min(pairs, B * G - first)
 
         # Phase 1 (M plan): M[t, x0, y0] = sum over the group's ci of gamma + mu outer
-        # product.
-        for task in prange(0 if direct else n * H):
+        # product. (Its count is a variable: a conditional expression in prange's
+        # argument makes Numba run the loop serially.)
+        tasks = 0 if direct else n * H
+        for task in prange(tasks):
             t, x0 = task // H, task % H
             b, g = (first + t) // G, (first + t) % G
             # Four channels per pass when gamma (if any) and mu share a dtype and their
