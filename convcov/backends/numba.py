@@ -166,6 +166,43 @@ def _store_nt(typingctx, ptr, k, value):
 
 
 @intrinsic
+def _address_at(typingctx, ptr, k):
+    """The byte address of ``ptr[k]``."""
+    if not isinstance(ptr, types.CPointer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.ptrtoint(builder.gep(args[0], [args[1]]), ir.IntType(64))
+
+    return types.int64(ptr, k), codegen
+
+
+@intrinsic
+def _axpy8_nt(typingctx, w, p, k, s, j, a):
+    """``w[k:k+8] = p[k:k+8] + a * s[j:j+8]`` in float32 as one 32-byte non-temporal store
+    (``w + k`` 32-byte aligned): LLVM stores a scalar loop's non-temporal values one at a
+    time, this stores eight."""
+    f32 = types.float32
+    if not all(isinstance(x, types.CPointer) and x.dtype == f32 for x in (w, p, s)) or a != f32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        w_, p_, k_, s_, j_, a_ = args
+        vt = ir.VectorType(ir.FloatType(), 8)
+        pv = builder.load(builder.bitcast(builder.gep(p_, [k_]), vt.as_pointer()), align=4)
+        sv = builder.load(builder.bitcast(builder.gep(s_, [j_]), vt.as_pointer()), align=4)
+        av = ir.Constant(vt, ir.Undefined)
+        for i in range(8):
+            av = builder.insert_element(av, a_, ir.IntType(32)(i))
+        st = builder.store(builder.fadd(pv, builder.fmul(av, sv)),
+                           builder.bitcast(builder.gep(w_, [k_]), vt.as_pointer()), align=32)
+        st.set_metadata("nontemporal", builder.module.add_metadata([ir.IntType(32)(1)]))
+        return context.get_dummy_value()
+
+    return types.none(w, p, k, s, j, a), codegen
+
+
+@intrinsic
 def _store_fence(typingctx):
     """A sequentially consistent fence (mfence on x86): makes the weakly ordered
     non-temporal stores visible before the parallel region's end."""
@@ -548,14 +585,46 @@ def _add_plane_any(dst, addr, code, off, sx, sy, H, W, scale):
         _add_plane_bf16(dst, _u16_at(addr), off, sx, sy, H, W, scale)
 
 
-def _row_adder(dec, enc):
-    """A compiled ``add_row`` with decoder and encoder of out's dtype built in."""
+def _nt_row_f32(w, p, off, n, srow, cc):  # pragma: no cover - replaced by the overload
+    raise NotImplementedError
+
+
+@overload(_nt_row_f32)
+def _nt_row_f32_impl(w, p, off, n, srow, cc):
+    """``w[off + e] = float32(p[off + e] + cc * srow[e])``, e < n, non-temporal: eight at a
+    time where the sums are float32 (the same operations, so the same bits, as in place)."""
+    if srow.dtype == types.float32:
+        def impl(w, p, off, n, srow, cc):
+            e = 0
+            while e < n and _address_at(w, off + e) & 31 != 0:
+                _store_nt(w, off + e, np.float32(p[off + e] + cc * srow[e]))
+                e += 1
+            while e + 8 <= n:
+                _axpy8_nt(w, p, off + e, srow, e, cc)
+                e += 8
+            while e < n:
+                _store_nt(w, off + e, np.float32(p[off + e] + cc * srow[e]))
+                e += 1
+        return impl
+
+    def impl(w, p, off, n, srow, cc):
+        for e in range(n):
+            _store_nt(w, off + e, np.float32(p[off + e] + cc * srow[e]))
+    return impl
+
+
+def _row_adder(dec, enc, f32=False):
+    """A compiled ``add_row`` with decoder and encoder of out's dtype built in (``f32``:
+    out is float32, whose rows apart are stored eight values at a time)."""
 
     def add_row(ptr, off, si, sj, Ho, Wo, srow, cc, wptr, apart):
         """``ptr[off + i1*si + j1*sj] += cc * srow[i1*Wo + j1]``, rounded once into ptr's
         dtype; ``apart``: the sum goes to ``wptr`` instead (a contiguous plane only), ptr
         is only read."""
         if sj == 1 and si == Wo:  # a contiguous Ho x Wo plane: one run
+            if apart and f32:
+                _nt_row_f32(wptr, ptr, off, Ho * Wo, srow, cc)
+                return
             if apart:
                 for e in range(Ho * Wo):
                     _store_nt(wptr, off + e, enc(dec(ptr[off + e]) + cc * srow[e]))
@@ -577,7 +646,7 @@ def _row_adder(dec, enc):
     return njit(**_inner)(add_row)
 
 
-_add_row_f32 = _row_adder(_keep, _f32_encode)
+_add_row_f32 = _row_adder(_keep, _f32_encode, f32=True)
 _add_row_f64 = _row_adder(_keep, _f64_encode)
 _add_row_f16 = _row_adder(_f16_decode, _f16_encode)
 _add_row_bf16 = _row_adder(_bf16_decode, _bf16_encode)
