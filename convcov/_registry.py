@@ -79,10 +79,9 @@ class Backend:
     def accumulate_apart(self, problem, source) -> None:
         """``problem.out = source + c[c0] * S`` on its channel diagonal, ``source`` (a host
         array of out's shape, dtype and strides, diagonal layout, its rows ``(i1, j1)``
-        contiguous) only read:
-        for callers that may not write their ``out`` (dask's tasks). The default copies
-        source into out and accumulates; a backend that can read one array and write
-        another overrides it and saves the copy."""
+        contiguous) only read: for callers that may not write their ``out`` (dask's
+        tasks). The default copies source into out and accumulates; a backend that can
+        read one array and write another overrides it and saves the copy."""
         np.copyto(problem.out, source)
         self.accumulate(problem)
 
