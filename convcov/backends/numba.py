@@ -1416,7 +1416,7 @@ def _params(p):
     else:
         g_part = (0, _CODE[gi.dtype]) + diag_strides(gi.strides, p.full_gamma)
     Cg = p.Ci // p.G
-    direct = _direct_plan(p.kh, p.kw, p.H * p.W, p.Ho * p.Wo, p.Ci // p.G)
+    direct = _direct_plan(p.kh, p.kw, p.H * p.W, p.Ho * p.Wo, Cg)
     pf = (0, 0)
     if sum(p.diagonal_bytes()) >= PREFETCH_FROM_BYTES:
         isz = 2 if gi is None else _ITEMSIZE[gi.dtype]
@@ -1451,17 +1451,16 @@ class NumbaBackend(Backend):
     dtypes = frozenset({"float16", "bfloat16", "float32", "float64"})
 
     def accumulate(self, p) -> None:
-        cptr = 0 if p.c_info is None else p.c_info.ptr
-        _accumulate_at(_params(p), p.out_info.ptr,
-                       0 if p.gamma_info is None else p.gamma_info.ptr, p.mu_info.ptr, cptr,
-                       p.c_value)
+        self._launch(p, p.out_info.ptr)
 
     def accumulate_apart(self, p, source) -> None:
         # out's rows are contiguous (the contract): each is read from source, written to out
-        cptr = 0 if p.c_info is None else p.c_info.ptr
-        _accumulate_at(_params(p), source.__array_interface__["data"][0],
-                       0 if p.gamma_info is None else p.gamma_info.ptr, p.mu_info.ptr, cptr,
-                       p.c_value, p.out_info.ptr)
+        self._launch(p, source.__array_interface__["data"][0], p.out_info.ptr)
+
+    @staticmethod
+    def _launch(p, optr, wptr=None):
+        _accumulate_at(_params(p), optr, 0 if p.gamma_info is None else p.gamma_info.ptr,
+                       p.mu_info.ptr, 0 if p.c_info is None else p.c_info.ptr, p.c_value, wptr)
 
     def bind(self, p):
         """The launcher of p's signature for the front end's fast path (Backend.bind):
