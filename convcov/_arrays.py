@@ -183,6 +183,7 @@ def _cai_device(x, ptr) -> int | None:
 
 _driver_module = None  # cuda.bindings.driver once imported; False: cuda-python is unusable
 _unanswered: set = set()  # driver calls that raised: no driver library, or a driver without them
+_initialised = False  # the driver answered once that CUDA is initialised (it stays so)
 
 
 def _driver():
@@ -215,6 +216,16 @@ def _ask(drv, name: str, *args):
         _unanswered.add(name)
         return None
     return value if err == drv.CUresult.CUDA_SUCCESS else None
+
+
+def _driver_initialised(drv) -> bool:
+    """Whether some library has initialised CUDA in this process (``cuDeviceGetCount``
+    answers CUDA_ERROR_NOT_INITIALIZED until then). Stream calls dereference their handle
+    even before that, so a handle is only passed to the driver once it can be real."""
+    global _initialised
+    if not _initialised:
+        _initialised = _ask(drv, "cuDeviceGetCount") is not None
+    return _initialised
 
 
 def pointer_device(ptr: int) -> int | None:
@@ -253,6 +264,8 @@ def stream_device(handle: int) -> int | None:
         return None
     drv = _driver()
     if drv is None:
+        return None
+    if not _driver_initialised(drv):  # no stream can exist, and the driver reads the handle
         return None
     stream = drv.CUstream(int(handle))
     # Asked of a stream being captured, cuStreamGetDevice ends the capture with an error:

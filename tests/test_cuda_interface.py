@@ -36,12 +36,13 @@ def path(request, monkeypatch):
     """Force, in both CUDA backends, one launch with no scratch memory (``direct``) or
     three launches with T and S in scratch memory (``three``)."""
     from convcov import _frontend, _registry
-    from convcov.backends import cupy as cupy_mod
+    from convcov.backends import _plan
     from convcov.backends import numba_cuda as numba_cuda_mod
 
     direct = request.param == "direct"
-    monkeypatch.setattr(cupy_mod, "_DIRECT_TERMS", 1 << 62 if direct else -1)
-    monkeypatch.setattr(cupy_mod, "_DIRECT_RATIO", 1 << 62 if direct else 0)
+    # cupy: S from gamma and mu straight into out, or T, then S written, then out streamed
+    monkeypatch.setattr(_plan, "direct_source", lambda *args: direct)
+    monkeypatch.setattr(_plan, "stream_s", lambda *args: not direct)
     monkeypatch.setattr(numba_cuda_mod, "DIRECT_TERMS", 1 << 62 if direct else -1)
     monkeypatch.setattr(numba_cuda_mod, "DIRECT_RATIO", 1 << 62 if direct else -1)
     # plans and bound launchers remember the path chosen

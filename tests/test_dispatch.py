@@ -283,14 +283,16 @@ def test_driver_answers_and_errors(monkeypatch):
     """pointer_device and stream_device read cuda-python's (CUresult, value) tuples: the
     value on success, None on an error result, and nothing remembered (a driver initialised
     later answers); a call that raises (no driver library, or a driver older than the call)
-    is None and not made again; no cuda-python at all is None. A stream being captured is
-    not asked for its device (that would end the capture); default-stream handles are not
-    asked about."""
+    is None and not made again; no cuda-python at all is None. No stream is asked about
+    before CUDA is initialised (the driver reads the handle, and none can be real yet), a
+    stream being captured is not asked for its device (that would end the capture), and
+    default-stream handles are not asked about."""
     R, S = _Driver.CUresult, _Driver.CUstreamCaptureStatus
     drv = _Driver({
         "cuPointerGetAttribute": [(R.CUDA_ERROR_NOT_INITIALIZED, 0), (R.CUDA_SUCCESS, 1),
                                   (R.CUDA_ERROR_INVALID_VALUE, 0),
                                   RuntimeError("no driver library")],
+        "cuDeviceGetCount": [(R.CUDA_ERROR_NOT_INITIALIZED, 0), (R.CUDA_SUCCESS, 1)],
         "cuStreamIsCapturing": [(R.CUDA_SUCCESS, S.CU_STREAM_CAPTURE_STATUS_ACTIVE),
                                 (R.CUDA_SUCCESS, S.CU_STREAM_CAPTURE_STATUS_NONE),
                                 (R.CUDA_SUCCESS, S.CU_STREAM_CAPTURE_STATUS_NONE),
@@ -300,6 +302,7 @@ def test_driver_answers_and_errors(monkeypatch):
     })
     monkeypatch.setattr(_arrays, "_driver_module", drv)
     monkeypatch.setattr(_arrays, "_unanswered", set())
+    monkeypatch.setattr(_arrays, "_initialised", False)
     ordinal = _Driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
     assert _arrays.pointer_device(0x1000) is None  # not initialised yet ...
     assert _arrays.pointer_device(0x1000) == 1  # ... and then it is
@@ -311,9 +314,12 @@ def test_driver_answers_and_errors(monkeypatch):
     assert _arrays.pointer_device(0x3000) is None and len(drv.asked) == 4
 
     drv.asked.clear()
+    assert _arrays.stream_device(0x5000) is None  # CUDA not initialised: no stream exists
     assert _arrays.stream_device(0x5000) is None  # being captured
     assert _arrays.stream_device(0x5000) == 2
-    assert [a[0] for a in drv.asked] == ["cuStreamIsCapturing"] * 2 + ["cuStreamGetDevice"]
+    assert [a[0] for a in drv.asked] == ["cuDeviceGetCount"] * 2 + [
+        "cuStreamIsCapturing"] * 2 + ["cuStreamGetDevice"]
+    del drv.asked[:2]
     assert drv.asked[-1] == ("cuStreamGetDevice", 0x5000)
     assert all(_arrays.stream_device(h) is None for h in _arrays.DEFAULT_STREAMS)
     assert len(drv.asked) == 3
