@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import zlib
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -29,6 +30,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import convcov
+from convcov import moments
 from kinds import make, to_f64, tolerance
 
 torch = pytest.importorskip("torch")
@@ -217,9 +219,14 @@ def test_random_problems_match_the_definition(data):
         out = make(np.full(shape, np.nan), kind, out_dt)
         dts.append(out_dt)
     geo = dict(stride=s, padding=p, dilation=d, groups=G)
-    mo, go = convcov.conv2d_moments(args["mu"], args["gamma"], args["weight"], args["bias"],
-                                    args["c"], c_bias=args["c_bias"], out_layout=layout,
-                                    out=out, backend=backend, **geo)
+    # CUDA's ways here too: the variances gathered by window blocks (not by offset pairs),
+    # the diagonal layout's last convolution one output channel at a time (not grouped)
+    cuda_ways = ("cpu",) if draw(st.booleans(), label="CUDA's ways") else ()
+    with mock.patch.object(moments, "GATHER_ON", cuda_ways), \
+            mock.patch.object(moments, "PER_CHANNEL_ON", cuda_ways):
+        mo, go = convcov.conv2d_moments(args["mu"], args["gamma"], args["weight"],
+                                        args["bias"], args["c"], c_bias=args["c_bias"],
+                                        out_layout=layout, out=out, backend=backend, **geo)
     acc = "float64" if "float64" in dts else "float32"
     assert out is None or go is out
     assert str(mo.dtype).removeprefix("torch.") == acc
@@ -257,6 +264,30 @@ def test_gamma_out_is_exactly_symmetric(kind, layout, form):
                                    out_layout=layout)
     g = to_f64(go)
     assert np.array_equal(g, transposed(g, layout))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("geometry", GEOMETRIES)
+@pytest.mark.parametrize("form", FORMS)
+def test_cuda_tensors_match_the_definition(geometry, form):
+    """On a CUDA device (its own ways: the variances gathered, the diagonal layout per
+    output channel), float64 and float32, every layout and c form."""
+    B, Ci, Co, G, H, W, k, s, p, d = GEOMETRIES[geometry]
+    rng = np.random.default_rng(zlib.crc32(f"cuda {geometry} {form}".encode()))
+    for c_form, dt in itertools.product(C_FORMS, ("float64", "float32")):
+        a = problem(rng, B, Ci, Co, G, H, W, k, form, c_form, "channel")
+        mean, cov = reference(**a, stride=s, padding=p, dilation=d, groups=G)
+        t = {n: v if v is None or isinstance(v, float) else
+             torch.from_numpy(np.asarray(v)).to("cuda", getattr(torch, dt)) for n, v in a.items()}
+        tol = 1e-11 if dt == "float64" else 2e-5 * max(1.0, np.abs(cov).max())
+        for layout in LAYOUTS:
+            mo, go = convcov.conv2d_moments(t["mu"], t["gamma"], t["weight"], t["bias"],
+                                            t["c"], c_bias=t["c_bias"], stride=s, padding=p,
+                                            dilation=d, groups=G, out_layout=layout)
+            assert go.device.type == "cuda"
+            np.testing.assert_allclose(mo.cpu().double().numpy(), mean, rtol=tol, atol=tol)
+            np.testing.assert_allclose(go.cpu().double().numpy(), in_layout(cov, layout),
+                                       rtol=tol, atol=tol)
 
 
 def test_backends_give_the_same_result():
@@ -452,12 +483,18 @@ def test_moments_match_monte_carlo(depth):
 # ----------------------------------------------------------------------------------------
 # Autograd
 
-@pytest.mark.parametrize("form, layout, c_form", [
-    ("full", "full", "number"), ("full", "diag", "weight"), ("full", "var", "channel"),
-    ("diag", "full", "weight"), ("diag", "diag", "channel"), ("var", "var", "weight"),
-    ("var", "diag", "number"), ("none", "full", "channel"),
+@pytest.mark.parametrize("form, layout, c_form, cuda_ways", [
+    ("full", "full", "number", False), ("full", "diag", "weight", False),
+    ("full", "diag", "number", True), ("full", "var", "channel", False),
+    ("full", "var", "number", True), ("diag", "full", "weight", False),
+    ("diag", "diag", "channel", False), ("diag", "var", "weight", True),
+    ("var", "var", "weight", False), ("var", "diag", "number", False),
+    ("none", "full", "channel", False),
 ])
-def test_gradcheck_in_every_input(form, layout, c_form):
+def test_gradcheck_in_every_input(form, layout, c_form, cuda_ways, monkeypatch):
+    """In float64, with CUDA's ways (see the property test) and the host's."""
+    monkeypatch.setattr(moments, "GATHER_ON", ("cpu",) if cuda_ways else ())
+    monkeypatch.setattr(moments, "PER_CHANNEL_ON", ("cpu",) if cuda_ways else ())
     rng = np.random.default_rng(0)
     G = 2 if layout == "diag" else 1
     a = problem(rng, 1, 2, 2, G, 3, 3, (2, 2), form, c_form, "channel")
