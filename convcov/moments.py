@@ -41,11 +41,12 @@ _CHUNK = 32 << 20
 GATHER_ON = ("cuda",)
 #: Entries of gamma the gathered variances hold at once (a chunk of output rows).
 _GATHER_ENTRIES = 1 << 26
-#: Devices whose diagonal layout runs its last convolution one output channel at a time
-#: where a group has several input channels (:func:`_per_channel`): on the H200 cuDNN's
-#: grouped 3-D convolution with one output channel a group takes 2.7x as long (16ch 102 ->
-#: 38 ms, 64ch 44 -> 17 ms; strided 2.3 -> 3.0 ms) and a transposed copy of its input.
-PER_CHANNEL_ON = ("cuda",)
+#: Devices whose second convolution avoids cuDNN's grouped 3-D convolution, slow on the
+#: H200: the diagonal layout's runs one output channel at a time where a group has several
+#: input channels (:func:`_per_channel`; 16ch 102 -> 38 ms, 64ch 44 -> 17 ms, strided
+#: 2.3 -> 3.0 ms), a grouped full layout's is a 2-D convolution batched over the riding
+#: index (:func:`_carried`).
+UNGROUPED_ON = ("cuda",)
 
 
 @dataclass
@@ -463,6 +464,11 @@ def _carried(o, call, g, w):
             X1 = o.perm(gg, (0, 1, 2, 3, 7, 4, 5, 6)).reshape(B * Cg * P, Ci, H, W, 1)
         if layout == "full":  # then the left index, the right one riding along
             T = o.conv(X1, w5, G, call.last).reshape(B, Ci, H, W, Co * Q)
+            if G > 1 and o.device_type in UNGROUPED_ON:
+                # the riding index as the batch: (K gamma K^T)^T, whose symmetric part
+                # (all that is returned, after any term is added) is the same
+                X2 = o.contiguous(o.perm(T, (0, 4, 1, 2, 3))).reshape(B * Co * Q, Ci, H, W, 1)
+                return o.conv(X2, w5, G, call.last).reshape(call.out_shape("full"))
             return o.conv(T, w5, G, call.last).reshape(call.out_shape("full"))
         T = o.conv(X1, w5, G, call.last).reshape(B, Cg, H, W, Co, Q)
         X2 = o.perm(T, (0, 4, 1, 2, 3, 5))  # (B, c0, cl, H, W, q)
@@ -493,7 +499,7 @@ def _per_channel(o, call, X2, w5):
     c0 on one or more axes) with output channel c0's kernel on its own block: ``(B, Co,
     Ho, Wo, Q)``."""
     B, (Cg, H, W, Q), Co = X2.shape[0], X2.shape[-4:], call.Co
-    if Cg == 1 or o.device_type not in PER_CHANNEL_ON:
+    if Cg == 1 or o.device_type not in UNGROUPED_ON:
         return o.conv(X2.reshape(B, Co * Cg, H, W, Q), w5, Co, call.last)
     D = o.empty((B, Co, call.Ho, call.Wo, Q))
     for c0 in range(Co):

@@ -220,10 +220,10 @@ def test_random_problems_match_the_definition(data):
         dts.append(out_dt)
     geo = dict(stride=s, padding=p, dilation=d, groups=G)
     # CUDA's ways here too: the variances gathered by window blocks (not by offset pairs),
-    # the diagonal layout's last convolution one output channel at a time (not grouped)
+    # the second convolution of a grouped layer not grouped (moments.UNGROUPED_ON)
     cuda_ways = ("cpu",) if draw(st.booleans(), label="CUDA's ways") else ()
     with mock.patch.object(moments, "GATHER_ON", cuda_ways), \
-            mock.patch.object(moments, "PER_CHANNEL_ON", cuda_ways):
+            mock.patch.object(moments, "UNGROUPED_ON", cuda_ways):
         mo, go = convcov.conv2d_moments(args["mu"], args["gamma"], args["weight"],
                                         args["bias"], args["c"], c_bias=args["c_bias"],
                                         out_layout=layout, out=out, backend=backend, **geo)
@@ -484,7 +484,8 @@ def test_moments_match_monte_carlo(depth):
 # Autograd
 
 @pytest.mark.parametrize("form, layout, c_form, cuda_ways", [
-    ("full", "full", "number", False), ("full", "diag", "weight", False),
+    ("full", "full", "number", False), ("full", "full", "channel", True),
+    ("full", "diag", "weight", False),
     ("full", "diag", "number", True), ("full", "var", "channel", False),
     ("full", "var", "number", True), ("diag", "full", "weight", False),
     ("diag", "diag", "channel", False), ("diag", "var", "weight", True),
@@ -494,9 +495,9 @@ def test_moments_match_monte_carlo(depth):
 def test_gradcheck_in_every_input(form, layout, c_form, cuda_ways, monkeypatch):
     """In float64, with CUDA's ways (see the property test) and the host's."""
     monkeypatch.setattr(moments, "GATHER_ON", ("cpu",) if cuda_ways else ())
-    monkeypatch.setattr(moments, "PER_CHANNEL_ON", ("cpu",) if cuda_ways else ())
+    monkeypatch.setattr(moments, "UNGROUPED_ON", ("cpu",) if cuda_ways else ())
     rng = np.random.default_rng(0)
-    G = 2 if layout == "diag" else 1
+    G = 2 if layout == "diag" or cuda_ways else 1
     a = problem(rng, 1, 2, 2, G, 3, 3, (2, 2), form, c_form, "channel")
     if c_form == "number":
         a["c"] = np.array(0.3)  # a 0-d tensor: it gets a gradient too
