@@ -15,11 +15,17 @@ the same code through a small namespace of array operations (:class:`_NumpyOps`,
 :class:`_TorchOps`), whose one convolution is 3-D: the trailing (or leading) axis with a
 kernel of 1 carries the covariance's other index set along.
 
-Must not import torch: a torch tensor can only arrive when torch is already imported.
+CuPy arrays are computed by the same torch ops, on torch tensors that share their memory
+(DLPack, which orders CuPy's stream before torch's and back); the results are handed back
+as CuPy arrays (``out`` is written in place).
+
+Must not import torch but for CuPy arrays: a torch tensor can only arrive when torch is
+already imported.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import math
 import numbers
@@ -29,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import _arrays, _frontend, _registry
-from ._errors import ShapeError
+from ._errors import BackendError, ShapeError
 
 LAYOUTS = ("full", "diag", "var")
 #: Bytes of im2col columns the NumPy convolution builds at once (a cache-friendly chunk).
@@ -126,9 +132,12 @@ def _check(mu, gamma, weight, bias, c, c_bias, stride, padding, dilation, groups
     for n, a in infos.items():
         _frontend._check_dtype(n, a)
     kind, device = infos["mu"].kind, infos["mu"].device
-    if kind not in ("numpy", "torch") or device[0] not in ("cpu", "cuda"):
-        raise TypeError(f"conv2d_moments computes on numpy arrays and torch tensors (CPU or "
-                        f"CUDA); got {kind} arrays on {device[0]}")
+    if kind not in ("numpy", "torch", "cupy") or device[0] not in ("cpu", "cuda"):
+        raise TypeError(f"conv2d_moments computes on numpy arrays, torch tensors (CPU or "
+                        f"CUDA) and CuPy arrays; got {kind} arrays on {device[0]}")
+    if kind == "cupy" and importlib.util.find_spec("torch") is None:
+        raise BackendError("conv2d_moments computes CuPy arrays with torch's convolutions "
+                           "(sharing their memory); torch is not installed")
     m, w = infos["mu"].shape, infos["weight"].shape
     if len(m) != 4:
         raise ShapeError(f"mu: expected 4 dims (B, Ci, H, W); got shape {m}")
@@ -391,6 +400,18 @@ def conv2d_moments(mu, gamma, weight, bias=None, c=None, *, c_bias=None, stride=
                                     out_layout=out_layout, out=out, backend=backend)
     call = _check(mu, gamma, weight, bias, c, c_bias, stride, padding, dilation, groups,
                   out_layout, out, backend)
+    if call.kind == "cupy":
+        import cupy
+        import torch
+
+        def shared(x):  # a torch tensor on the CuPy array's memory
+            return x if x is None or _is_number(x) else torch.from_dlpack(x)
+
+        mo, go = conv2d_moments(*map(shared, (mu, gamma, weight, bias, c)),
+                                c_bias=shared(c_bias), stride=stride, padding=padding,
+                                dilation=dilation, groups=groups, out_layout=out_layout,
+                                out=shared(out), backend=backend)
+        return cupy.from_dlpack(mo), out if out is not None else cupy.from_dlpack(go)
     o = _NumpyOps(call.acc) if call.kind == "numpy" else _TorchOps(call.acc, mu.device)
     mu_a, w_a, g_a = o.cast(mu), o.cast(weight), o.cast(gamma)
     B, Co, Ho, Wo = call.B, call.Co, call.Ho, call.Wo

@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 
 import convcov
 from convcov import moments
-from kinds import make, to_f64, tolerance
+from kinds import kinds_for, make, to_f64, tolerance
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
@@ -266,28 +266,32 @@ def test_gamma_out_is_exactly_symmetric(kind, layout, form):
     assert np.array_equal(g, transposed(g, layout))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("kind", ["torch_cuda", "cupy"])
 @pytest.mark.parametrize("geometry", GEOMETRIES)
 @pytest.mark.parametrize("form", FORMS)
-def test_cuda_tensors_match_the_definition(geometry, form):
-    """On a CUDA device (its own ways: the variances gathered, the diagonal layout per
-    output channel), float64 and float32, every layout and c form."""
+def test_cuda_arrays_match_the_definition(kind, geometry, form):
+    """On a CUDA device (its own ways: the variances gathered, the second convolution of a
+    grouped layer not grouped), torch tensors and CuPy arrays, float64 and float32, every
+    layout and c form, with and without out (strided: a permuted view)."""
+    if kind not in kinds_for("cuda"):
+        pytest.skip(f"no {kind} here")
     B, Ci, Co, G, H, W, k, s, p, d = GEOMETRIES[geometry]
     rng = np.random.default_rng(zlib.crc32(f"cuda {geometry} {form}".encode()))
     for c_form, dt in itertools.product(C_FORMS, ("float64", "float32")):
         a = problem(rng, B, Ci, Co, G, H, W, k, form, c_form, "channel")
         mean, cov = reference(**a, stride=s, padding=p, dilation=d, groups=G)
-        t = {n: v if v is None or isinstance(v, float) else
-             torch.from_numpy(np.asarray(v)).to("cuda", getattr(torch, dt)) for n, v in a.items()}
+        t = {n: v if v is None or isinstance(v, float) else make(v, kind, dt)
+             for n, v in a.items()}
         tol = 1e-11 if dt == "float64" else 2e-5 * max(1.0, np.abs(cov).max())
-        for layout in LAYOUTS:
+        for layout, with_out in itertools.product(LAYOUTS, (False, True)):
+            want = in_layout(cov, layout)
+            out = make(np.zeros(want.shape), kind, dt, "permuted") if with_out else None
             mo, go = convcov.conv2d_moments(t["mu"], t["gamma"], t["weight"], t["bias"],
                                             t["c"], c_bias=t["c_bias"], stride=s, padding=p,
-                                            dilation=d, groups=G, out_layout=layout)
-            assert go.device.type == "cuda"
-            np.testing.assert_allclose(mo.cpu().double().numpy(), mean, rtol=tol, atol=tol)
-            np.testing.assert_allclose(go.cpu().double().numpy(), in_layout(cov, layout),
-                                       rtol=tol, atol=tol)
+                                            dilation=d, groups=G, out_layout=layout, out=out)
+            assert type(go) is type(t["mu"]) and (out is None or go is out)
+            np.testing.assert_allclose(to_f64(mo), mean, rtol=tol, atol=tol)
+            np.testing.assert_allclose(to_f64(go), want, rtol=tol, atol=tol)
 
 
 def test_backends_give_the_same_result():
