@@ -221,9 +221,14 @@ def test_random_problems_match_the_definition(data):
     geo = dict(stride=s, padding=p, dilation=d, groups=G)
     # CUDA's ways here too: the variances gathered by window blocks (not by offset pairs),
     # the second convolution of a grouped layer not grouped (moments.UNGROUPED_ON)
+    # (the variances' inner rectangle a strided view or gathered; chunks of one row or all)
     cuda_ways = ("cpu",) if draw(st.booleans(), label="CUDA's ways") else ()
+    view_from = draw(st.sampled_from((0, 1 << 62)), label="view from")
+    chunk = draw(st.sampled_from((1, 1 << 26)), label="entries a chunk")
     with mock.patch.object(moments, "GATHER_ON", cuda_ways), \
-            mock.patch.object(moments, "UNGROUPED_ON", cuda_ways):
+            mock.patch.object(moments, "UNGROUPED_ON", cuda_ways), \
+            mock.patch.object(moments, "_VIEW_ENTRIES", view_from), \
+            mock.patch.object(moments, "_GATHER_ENTRIES", chunk):
         mo, go = convcov.conv2d_moments(args["mu"], args["gamma"], args["weight"],
                                         args["bias"], args["c"], c_bias=args["c_bias"],
                                         out_layout=layout, out=out, backend=backend, **geo)
@@ -500,6 +505,7 @@ def test_gradcheck_in_every_input(form, layout, c_form, cuda_ways, monkeypatch):
     """In float64, with CUDA's ways (see the property test) and the host's."""
     monkeypatch.setattr(moments, "GATHER_ON", ("cpu",) if cuda_ways else ())
     monkeypatch.setattr(moments, "UNGROUPED_ON", ("cpu",) if cuda_ways else ())
+    monkeypatch.setattr(moments, "_VIEW_ENTRIES", 0)  # the inner positions viewed
     rng = np.random.default_rng(0)
     G = 2 if layout == "diag" or cuda_ways else 1
     a = problem(rng, 1, 2, 2, G, 3, 3, (2, 2), form, c_form, "channel")
