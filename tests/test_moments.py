@@ -220,7 +220,7 @@ def test_random_problems_match_the_definition(data):
         dts.append(out_dt)
     geo = dict(stride=s, padding=p, dilation=d, groups=G)
     # CUDA's ways here too: the variances gathered by window blocks (not by offset pairs),
-    # the second convolution of a grouped layer not grouped (moments.UNGROUPED_ON)
+    # a grouped full layout's second convolution not grouped (moments.UNGROUPED_ON)
     # (the variances' inner rectangle a strided view or gathered; chunks of one row or all)
     cuda_ways = ("cpu",) if draw(st.booleans(), label="CUDA's ways") else ()
     view_from = draw(st.sampled_from((0, 1 << 62)), label="view from")
@@ -275,8 +275,8 @@ def test_gamma_out_is_exactly_symmetric(kind, layout, form):
 @pytest.mark.parametrize("geometry", GEOMETRIES)
 @pytest.mark.parametrize("form", FORMS)
 def test_cuda_arrays_match_the_definition(kind, geometry, form):
-    """On a CUDA device (its own ways: the variances gathered, the second convolution of a
-    grouped layer not grouped), torch tensors and CuPy arrays, float64 and float32, every
+    """On a CUDA device (its own ways: the variances gathered, a grouped full layout's
+    second convolution not grouped), torch tensors and CuPy arrays, float64 and float32, every
     layout and c form, with and without out (strided: a permuted view)."""
     if kind not in kinds_for("cuda"):
         pytest.skip(f"no {kind} here")
