@@ -176,7 +176,8 @@ class _Lease:
 
 
 class _Pool:
-    """Host memory for the results of accumulate's tasks, reused once dask drops them.
+    """Host memory for the results of the tasks (accumulate's new arrays, patch_moment's
+    S, conv2d_moments' gamma_out), reused once dask drops them.
 
     A task's result is new memory (a chunk is never written). A new array of hundreds of
     megabytes costs the operating system a page fault and the zeroing of every page, more
@@ -237,8 +238,15 @@ def _accumulate_task(out, gamma, mu, c, kernel_size, stride, padding, dilation, 
     return _settle(new)
 
 
-def _patch_moment_task(gamma, mu, **params):
-    return _settle(_frontend.patch_moment(_block(gamma), _block(mu), **params))
+def _patch_moment_task(gamma, mu, kernel_size, stride, padding, dilation, groups, backend):
+    gamma, mu = _block(gamma), _block(mu)
+    conv = (kernel_size, stride, padding, dilation, groups, backend)
+    if type(mu) is np.ndarray:  # S into pooled host memory, zeroed (the direct call's S)
+        shape, dtype, (k, s, p, d, G) = _frontend.check_patch_moment(gamma, mu, *conv)
+        S = _pool.empty(shape, dtype)
+        S.fill(0)
+        return _frontend.accumulate_unrouted(S, gamma, mu, 1.0, k, s, p, d, G, backend)
+    return _settle(_frontend.patch_moment_unrouted(gamma, mu, *conv))
 
 
 def _batch_chunks(*arrays) -> tuple:
@@ -336,10 +344,13 @@ def patch_moment(gamma, mu, kernel_size, *, stride=1, padding=0, dilation=1, gro
         kernel_size=k, stride=s, padding=p, dilation=d, groups=G, backend=backend)
 
 
-def _moments_task(mu, gamma, weight, bias, c, c_bias, **params):
+def _moments_task(mu, gamma, weight, bias, c, c_bias, out_tail, dtype, **params):
     from .moments import conv2d_moments
 
-    mu_out, gamma_out = conv2d_moments(mu, gamma, weight, bias, c, c_bias=c_bias, **params)
+    # gamma_out into pooled host memory (the direct call writes it there, rounded once)
+    out = _pool.empty((mu.shape[0],) + out_tail, dtype) if type(mu) is np.ndarray else None
+    mu_out, gamma_out = conv2d_moments(mu, gamma, weight, bias, c, c_bias=c_bias, out=out,
+                                       **params)
     return _settle(mu_out), _settle(gamma_out)
 
 
@@ -374,7 +385,8 @@ def conv2d_moments(mu, gamma, weight, bias=None, c=None, *, c_bias=None, stride=
     params = dict(stride=stride, padding=padding, dilation=dilation, groups=groups,
                   out_layout=out_layout, backend=backend)
     dtype = np.dtype(call.acc)
-    parts = [(n, task(m, g, *small.values(), **params)) for n, m, g in zip(batch, mus, gammas)]
+    parts = [(n, task(m, g, *small.values(), out_tail=call.out_shape(out_layout)[1:],
+                      dtype=dtype, **params)) for n, m, g in zip(batch, mus, gammas)]
 
     def gather(i, shape):
         return da.concatenate([da.from_delayed(p[i], (n,) + shape[1:], dtype=dtype,

@@ -291,21 +291,36 @@ def test_a_task_writes_its_result_apart_and_leaves_its_chunk(backend, dtype):
         assert not np.array_equal(new, out)
 
 
-def test_result_memory_is_reused_only_once_no_array_holds_it():
+@pytest.mark.parametrize("op", ["accumulate", "patch_moment", "conv2d_moments"])
+def test_result_memory_is_reused_only_once_no_array_holds_it(op):
     """Results come from a pool of host buffers (docs/dask.md, "Memory"): a view of a
     dropped result chunk keeps its values while later results of its size are computed."""
-    shape = (1, 4, 16, 16, 16, 16)  # results of 1 MiB: pooled
-    mu = da.from_array(np.ones((1, 4, 18, 18), np.float32), chunks=-1)
-    out = da.from_array(np.zeros(shape, np.float32), chunks=-1)
-    (held,) = dask.persist(convcov.accumulate(out, None, mu, 1.0, 3), scheduler="sync")
+    mu_np = np.ones((1, 4, 18, 18), np.float32)
+    mu = da.from_array(mu_np, chunks=-1)
+    out_np = np.zeros((1, 4, 16, 16, 16, 16), np.float32)  # results of 1 MiB: pooled
+    w = np.ones((2, 4, 3, 3), np.float32)  # conv2d_moments: a full result of 1 MiB
+
+    def call(x, c):  # (dask array, the direct call's result)
+        if op == "accumulate":
+            return (convcov.accumulate(da.from_array(out_np, chunks=-1), None, x, c, 3),
+                    convcov.accumulate(out_np.copy(), None, mu_np, c, 3))
+        if op == "patch_moment":
+            return (convcov.patch_moment(None, x * c, 3, groups=4),
+                    convcov.patch_moment(None, mu_np * c, 3, groups=4))
+        return (convcov.conv2d_moments(x, None, w, c=c)[1],
+                convcov.conv2d_moments(mu_np, None, w, c=c)[1])
+
+    first, want = call(mu, 1.0)
+    (held,) = dask.persist(first, scheduler="sync")
     chunk = held.to_delayed().ravel()[0].compute(scheduler="sync")  # the result itself
-    view = chunk[0, 1:3]
+    view, kept = chunk[0, 1:2], want[0, 1:2].copy()
     del held, chunk
     for c in (2.0, 3.0, 4.0):
-        (later,) = dask.persist(convcov.accumulate(out, None, mu, c, 3), scheduler="sync")
-        assert np.all(later.compute(scheduler="sync") == 4 * 9 * c)  # 4 channels, 9 taps
+        later, want = call(mu, c)
+        (later,) = dask.persist(later, scheduler="sync")
+        np.testing.assert_array_equal(later.compute(scheduler="sync"), want)
         del later
-    assert np.all(view == 4 * 9 * 1.0)
+    np.testing.assert_array_equal(view, kept)
 
 
 def _base():
