@@ -424,11 +424,14 @@ def conv2d_moments(mu, gamma, weight, bias=None, c=None, *, c_bias=None, stride=
         def shared(x):  # a torch tensor on the CuPy array's memory
             return x if x is None or _is_number(x) else torch.from_dlpack(x)
 
-        mo, go = conv2d_moments(*map(shared, (mu, gamma, weight, bias, c)),
-                                c_bias=shared(c_bias), stride=stride, padding=padding,
-                                dilation=dilation, groups=groups, out_layout=out_layout,
-                                out=shared(out), backend=backend)
+        mo, go = _moments(call, *map(shared, (mu, gamma, weight, bias, c, c_bias, out)), backend)
         return cupy.from_dlpack(mo), out if out is not None else cupy.from_dlpack(go)
+    return _moments(call, mu, gamma, weight, bias, c, c_bias, out, backend)
+
+
+def _moments(call, mu, gamma, weight, bias, c, c_bias, out, backend):
+    """:func:`conv2d_moments` of a validated call on NumPy arrays or torch tensors."""
+    out_layout = call.layout
     o = _NumpyOps(call.acc) if call.kind == "numpy" else _TorchOps(call.acc, mu.device)
     mu_a, w_a, g_a = o.cast(mu), o.cast(weight), o.cast(gamma)
     B, Co, Ho, Wo = call.B, call.Co, call.Ho, call.Wo
@@ -625,18 +628,13 @@ def _gathered_variances(o, call, g, w):
     def viewed(i0, i1, j0, j1):  # the same, every term inside: a view of gamma
         (sh, sw), (ph, pw), (dh, dw) = call.stride, call.padding, call.dilation
         x0, y0 = i0 * sh - ph, j0 * sw - pw
-        if full:
-            v = g[:, :, x0:, y0:, :, x0:, y0:]
-            sb, sc, sx, sy, sc1, sx1, sy1 = o.strides(v)
-            return o.strided(v, (B, G, i1 - i0, j1 - j0, Cg, call.kh, call.kw, Cg, call.kh,
-                                 call.kw),
-                             (sb, Cg * (sc + sc1), sh * (sx + sx1), sw * (sy + sy1), sc,
-                              dh * sx, dw * sy, sc1, dh * sx1, dw * sy1))
-        v = g[:, :, x0:, y0:, x0:, y0:]
-        sb, sc, sx, sy, sx1, sy1 = o.strides(v)
-        return o.strided(v, (B, G, i1 - i0, j1 - j0, Cg, call.kh, call.kw, call.kh, call.kw),
-                         (sb, Cg * sc, sh * (sx + sx1), sw * (sy + sy1), sc, dh * sx, dw * sy,
-                          dh * sx1, dw * sy1))
+        v = g[(slice(None), slice(None), slice(x0, None), slice(y0, None))
+              + (slice(None),) * full + (slice(x0, None), slice(y0, None))]
+        sb, sc, sx, sy, *sc1, sx1, sy1 = o.strides(v)  # sc1: the second channel axis (full)
+        return o.strided(v, (B, G, i1 - i0, j1 - j0, Cg, call.kh, call.kw) + (Cg,) * full
+                         + (call.kh, call.kw),
+                         (sb, Cg * (sc + sum(sc1)), sh * (sx + sx1), sw * (sy + sy1), sc,
+                          dh * sx, dw * sy, *sc1, dh * sx1, dw * sy1))
 
     # The inner rectangle (viewed) and the ring around it (gathered), in chunks of rows;
     # a small problem in one gather (its launches cost more than the view saves).
