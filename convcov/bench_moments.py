@@ -22,6 +22,12 @@ precision; a failed row is not timed); the reference is ``conv2d_moments`` in fl
 (itself tested against the definition in tests/test_moments.py) without the noise for the
 baselines. Timings are the median of repeated calls: CUDA events around each call (the
 queue drained before it) on a GPU, ``time.perf_counter`` on the host.
+
+Each row has its floor (:func:`_work`): the larger of reading ``gamma`` and writing the
+result once at the copy bandwidth measured in the same run, and the multiply-adds of what
+the row's layout keeps, half of each symmetric part, at the peak of the row's precision
+measured in the same run (a large matrix product: float32 with TF32 off, TF32, bfloat16).
+The baselines compute the full ``K gamma K^T``: their floor is the "full" layout's.
 """
 
 from __future__ import annotations
@@ -137,6 +143,67 @@ def _rows(torch, layer: Layer, device):
     return rows, skipped, refs
 
 
+def _work(layer: Layer, layout: str, itemsize: int = 4) -> tuple[int, int]:
+    """(bytes, floating-point operations) that a layer's ``K gamma K^T`` in ``layout`` must
+    move and do, with a full ``gamma``: ``gamma`` read and the result written once; the
+    first convolution (the right index of ``gamma``, the rows the layout reaches), then
+    the second, only the half of each symmetric block that the layout keeps. With
+    ``N = Ci H W`` input positions, ``M = Co Q`` output ones (``Q = Ho Wo``) and ``t =
+    (Ci / G) kh kw`` terms an output sums: full ``2 B N M t + B M^2 t``; diag ``2 B N M t
+    / G + B Co Q^2 t`` (a channel's block needs only its group's rows); var ``B M t^2``
+    (each variance a quadratic form of ``t`` terms, half of it by symmetry)."""
+    L = layer
+    Ho = (L.H + 2 * L.padding - L.k) // L.stride + 1
+    N, Q, t = L.Ci * L.H * L.H, Ho * Ho, L.Ci // L.groups * L.k * L.k
+    M = L.Co * Q
+    result = {"full": M * M, "diag": L.Co * Q * Q, "var": M}[layout]
+    flops = {"full": 2 * L.B * N * M * t + L.B * M * M * t,
+             "diag": 2 * L.B * N * M * t // L.groups + L.B * L.Co * Q * Q * t,
+             "var": L.B * M * t * t}[layout]
+    return (L.B * N * N + L.B * result) * itemsize, flops
+
+
+def _peaks(torch, device) -> dict:
+    """Floating-point operations a second of a large matrix product on ``device``, by
+    precision (the median of a few after a warm-up)."""
+    n = 8192 if device != "cpu" else 2048
+    backends = torch.backends.cuda.matmul
+    peaks = {}
+    for precision, dtype in (("float32", torch.float32), ("tf32", torch.float32),
+                             ("bfloat16", torch.bfloat16)):
+        if device == "cpu" and precision != "float32":
+            continue
+        a = torch.rand(n, n, device=device, dtype=dtype)
+        saved = backends.allow_tf32
+        backends.allow_tf32 = precision == "tf32"
+        try:
+            torch.matmul(a, a)
+            peaks[precision] = 2 * n**3 / _time(torch, lambda a=a: torch.matmul(a, a), device,
+                                                5, 1.0)
+        finally:
+            backends.allow_tf32 = saved
+    return peaks
+
+
+def _floors(torch, device, rows):
+    """Each timed row's floor (``floor_s``), what sets it (``bound``) and its ``of_floor``."""
+    from .bench import _Cuda, _Host
+
+    bandwidth = (_Host() if device == "cpu" else _Cuda()).copy_bandwidth()
+    peaks = _peaks(torch, device)
+    for r in rows:
+        if "seconds" not in r:
+            continue
+        layout = r["impl"].split()[1] if r["impl"].startswith("conv2d_moments") else "full"
+        nbytes, flops = _work(LAYERS[r["layer"]][device == "cpu"], layout,
+                              2 if r["precision"] == "bfloat16" else 4)
+        memory, compute = nbytes / bandwidth, flops / peaks[r["precision"]]
+        r["floor_s"], r["bound"] = max(memory, compute), "memory" if memory >= compute else \
+            "FLOPs"
+        r["of_floor"] = r["floor_s"] / r["seconds"]
+    return dict(copy_bandwidth=bandwidth, peak_flops=peaks)
+
+
 class _Precision:
     """cuDNN's TF32 switch for the row's precision (restored afterwards)."""
 
@@ -212,9 +279,10 @@ def run(device="cpu", layers=None, repeat=20, budget_s=10.0, progress=None) -> d
                          precision="float32", failed=why) for impl, why in skipped]
         del ref_values
     _speedups(results)
+    machine = _floors(torch, device, results)
     return dict(suite="moments", device=_device_name(torch, device), date=str(
         datetime.date.today()), torch=torch.__version__, torchadf=_version("torchadf"),
-        python=platform.python_version(), rows=results)
+        python=platform.python_version(), **machine, rows=results)
 
 
 def _speedups(rows):
@@ -250,18 +318,22 @@ def table(result: dict):
     """The rows as a rich table."""
     from rich.table import Table
 
+    peaks = ", ".join(f"{k} {v / 1e12:.1f}" for k, v in result["peak_flops"].items())
     t = Table(title=f"conv2d_moments vs plain full-covariance propagation on "
                     f"{result['device']} (torch {result['torch']}, torch-adf "
-                    f"{result['torchadf'] or 'not installed'})")
+                    f"{result['torchadf'] or 'not installed'}); floor: copy "
+                    f"{result['copy_bandwidth'] / 1e9:.0f} GB/s, matmul TFLOP/s {peaks}")
     for col, just in (("layer", "left"), ("shape", "left"), ("implementation", "left"),
                       ("precision", "left"), ("error", "right"), ("time", "right"),
-                      ("speed-up", "right")):
+                      ("speed-up", "right"), ("floor", "right"), ("of floor", "right")):
         t.add_column(col, justify=just)
     for r in result["rows"]:
         time_s = (f"{r['seconds'] * 1e3:.2f} ms" if "seconds" in r else r.get("failed", ""))
+        floor = f"{r['floor_s'] * 1e3:.2f} ms ({r['bound']})" if "floor_s" in r else ""
         t.add_row(r["layer"], r["shape"], r["impl"], r["precision"],
                   f"{r['error']:.1e}" if "error" in r else "",
-                  time_s, f"{r['speedup']:.2f}x" if "speedup" in r else "")
+                  time_s, f"{r['speedup']:.2f}x" if "speedup" in r else "", floor,
+                  f"{r['of_floor']:.2f}" if "of_floor" in r else "")
     return t
 
 

@@ -15,16 +15,17 @@ the same code through a small namespace of array operations (:class:`_NumpyOps`,
 :class:`_TorchOps`), whose one convolution is 3-D: the trailing (or leading) axis with a
 kernel of 1 carries the covariance's other index set along.
 
-CuPy arrays are computed by the same torch ops, on torch tensors that share their memory
-(DLPack, which orders CuPy's stream before torch's and back); the results are handed back
-as CuPy arrays (``out`` is written in place).
+CuPy arrays and generic CUDA arrays (``__cuda_array_interface__``: numba device arrays) are
+computed by the same torch ops, on torch tensors that share their memory (:func:`_shared`);
+the results are handed back as arrays of the caller's kind (``out`` is written in place).
 
-Must not import torch but for CuPy arrays: a torch tensor can only arrive when torch is
-already imported.
+Must not import torch but for those: a torch tensor can only arrive when torch is already
+imported.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import itertools
 import math
@@ -80,6 +81,8 @@ class _Call:
     layout: str
     acc: str
     kind: str
+    ordinal: int | None = None  # the CUDA device of generic CUDA arrays
+    streams: tuple = ()  # theirs: (the stream computed on, the streams it waits for first)
 
     def out_shape(self, layout):
         B, Co, Ho, Wo = self.B, self.Co, self.Ho, self.Wo
@@ -133,13 +136,18 @@ def _check(mu, gamma, weight, bias, c, c_bias, stride, padding, dilation, groups
     _frontend._check_kinds(list(infos.items()))
     for n, a in infos.items():
         _frontend._check_dtype(n, a)
-    kind, device = infos["mu"].kind, infos["mu"].device
-    if kind not in ("numpy", "torch", "cupy") or device[0] not in ("cpu", "cuda"):
+    kind = infos["mu"].kind
+    device = _frontend._device_of(infos["mu"], [a for n, a in infos.items() if n != "mu"])
+    if kind not in ("numpy", "torch", "cupy", "cai") or device[0] not in ("cpu", "cuda"):
         raise TypeError(f"conv2d_moments computes on numpy arrays, torch tensors (CPU or "
-                        f"CUDA) and CuPy arrays; got {kind} arrays on {device[0]}")
-    if kind == "cupy" and importlib.util.find_spec("torch") is None:
-        raise BackendError("conv2d_moments computes CuPy arrays with torch's convolutions "
-                           "(sharing their memory); torch is not installed")
+                        f"CUDA), CuPy arrays and numba device arrays; got {kind} arrays on "
+                        f"{device[0]}")
+    if kind in ("cupy", "cai") and importlib.util.find_spec("torch") is None:
+        raise BackendError(f"conv2d_moments computes {'CuPy' if kind == 'cupy' else 'CUDA'} "
+                           f"arrays with torch's convolutions (sharing their memory); torch "
+                           f"is not installed")
+    if kind == "cai":
+        _frontend._check_streams(list(infos.items()))
     m, w = infos["mu"].shape, infos["weight"].shape
     if len(m) != 4:
         raise ShapeError(f"mu: expected 4 dims (B, Ci, H, W); got shape {m}")
@@ -182,6 +190,11 @@ def _check(mu, gamma, weight, bias, c, c_bias, stride, padding, dilation, groups
     acc = "float64" if any(a.dtype == "float64" for a in infos.values()) else "float32"
     call = _Call(B, Ci, H, W, Co, G, kh, kw, Ho, Wo, (sh, sw), p, (dh, dw), gamma_form, c_form,
                  out_layout, acc, kind)
+    if kind == "cai":  # computed on the stream out names (or, without out, mu's)
+        first = infos.get("out", infos["mu"])
+        launch, waits, _ = _arrays.launch_streams(
+            kind, device[1], [first] + [a for a in infos.values() if a is not first])
+        call.ordinal, call.streams = device[1] or 0, (launch, waits)
     if out is not None:
         o = infos["out"]
         shape = call.out_shape(out_layout)
@@ -417,16 +430,54 @@ def conv2d_moments(mu, gamma, weight, bias=None, c=None, *, c_bias=None, stride=
                                     out_layout=out_layout, out=out, backend=backend)
     call = _check(mu, gamma, weight, bias, c, c_bias, stride, padding, dilation, groups,
                   out_layout, out, backend)
+    if call.kind in ("cupy", "cai"):
+        return _shared(call, (mu, gamma, weight, bias, c, c_bias), out, backend)
+    return _moments(call, mu, gamma, weight, bias, c, c_bias, out, backend)
+
+
+def _shared(call, inputs, out, backend):
+    """:func:`_moments` of CuPy or generic CUDA arrays, on torch tensors that share their
+    memory. CuPy arrays go through DLPack, which orders CuPy's current stream before
+    torch's and back. Generic CUDA arrays (``torch.as_tensor`` of their
+    ``__cuda_array_interface__``) are computed on the stream ``out`` names (``mu``'s without
+    ``out``), after the other streams they name, as ``accumulate`` does
+    (``_arrays.launch_streams``); the new arrays are numba device arrays that name it."""
+    import torch
+
     if call.kind == "cupy":
         import cupy
-        import torch
 
-        def shared(x):  # a torch tensor on the CuPy array's memory
-            return x if x is None or _is_number(x) else torch.from_dlpack(x)
+        share, back, on = torch.from_dlpack, cupy.from_dlpack, contextlib.nullcontext()
+    else:
+        from numba import cuda
 
-        mo, go = _moments(call, *map(shared, (mu, gamma, weight, bias, c, c_bias, out)), backend)
-        return cupy.from_dlpack(mo), out if out is not None else cupy.from_dlpack(go)
-    return _moments(call, mu, gamma, weight, bias, c, c_bias, out, backend)
+        dev = torch.device("cuda", call.ordinal)
+        launch, waits = call.streams
+
+        def stream(h):  # torch's object for a raw handle (0 and 1: the legacy default)
+            return (torch.cuda.default_stream(dev) if h in (0, 1)
+                    else torch.cuda.ExternalStream(h, device=dev))
+
+        s = stream(launch)
+        for h in waits:
+            s.wait_stream(stream(h))
+        on = torch.cuda.stream(s)
+
+        def share(x):
+            return torch.as_tensor(x, device=dev)
+
+        def back(t):  # a numba device array on the tensor's memory, naming the launch stream
+            desc = dict(t.__cuda_array_interface__, version=3,
+                        stream=None if launch in (0, 1) else launch)
+            with cuda.gpus[call.ordinal]:
+                return cuda.from_cuda_array_interface(desc, owner=t, sync=False)
+
+    def shared(x):  # a torch tensor on the array's memory
+        return x if x is None or _is_number(x) else share(x)
+
+    with on:
+        mo, go = _moments(call, *map(shared, inputs), shared(out), backend)
+        return back(mo), out if out is not None else back(go)
 
 
 def _moments(call, mu, gamma, weight, bias, c, c_bias, out, backend):

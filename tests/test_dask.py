@@ -529,6 +529,18 @@ def test_cupy_chunks():
                              **case["conv"])
     assert bool(cupy.allclose(S.compute(scheduler="threads"),
                               convcov.patch_moment(gamma, mu, 3, **case["conv"]), rtol=1e-5))
+    # conv2d_moments on CuPy chunks: CuPy results, each chunk the direct call's
+    rng = np.random.default_rng(5)
+    mu_m, gamma_m = (cupy.asarray(rng.random(s)) for s in ((4, 4, 6, 6), (4, 4, 6, 6, 6, 6)))
+    weight, c_m = cupy.asarray(rng.random((6, 2, 3, 3)) - 0.5), cupy.asarray(rng.random(6))
+    kw = dict(padding=1, groups=2, out_layout="full")
+    m, g = convcov.conv2d_moments(chunked(mu_m, (1,)), chunked(gamma_m, (1,)), weight, None,
+                                  c_m, **kw)
+    parts = [convcov.conv2d_moments(mu_m[b:b + 1], gamma_m[b:b + 1], weight, None, c_m, **kw)
+             for b in range(4)]
+    moments_expected = [cupy.concatenate([p[i] for p in parts]) for i in (0, 1)]
+    for got, want in zip(dask.compute(m, g, scheduler="threads"), moments_expected):
+        assert isinstance(got, cupy.ndarray) and bool(cupy.array_equal(got, want))
     try:
         from dask_cuda import LocalCUDACluster
     except ImportError:
@@ -537,3 +549,5 @@ def test_cupy_chunks():
             distributed.Client(cluster) as cuda_client:
         got = cuda_client.compute(r).result(timeout=120)
         assert isinstance(got, cupy.ndarray) and bool(cupy.array_equal(got, expected))
+        for got, want in zip(cuda_client.compute([m, g], sync=True), moments_expected):
+            assert isinstance(got, cupy.ndarray) and bool(cupy.array_equal(got, want))

@@ -271,13 +271,14 @@ def test_gamma_out_is_exactly_symmetric(kind, layout, form):
     assert np.array_equal(g, transposed(g, layout))
 
 
-@pytest.mark.parametrize("kind", ["torch_cuda", "cupy"])
+@pytest.mark.parametrize("kind", ["torch_cuda", "cupy", "numba"])
 @pytest.mark.parametrize("geometry", GEOMETRIES)
 @pytest.mark.parametrize("form", FORMS)
 def test_cuda_arrays_match_the_definition(kind, geometry, form):
     """On a CUDA device (its own ways: the variances gathered, a grouped full layout's
-    second convolution not grouped), torch tensors and CuPy arrays, float64 and float32, every
-    layout and c form, with and without out (strided: a permuted view)."""
+    second convolution not grouped), torch tensors, CuPy arrays and numba device arrays,
+    float64 and float32, every layout and c form, with and without out (a permuted view
+    where the kind has one)."""
     if kind not in kinds_for("cuda"):
         pytest.skip(f"no {kind} here")
     B, Ci, Co, G, H, W, k, s, p, d = GEOMETRIES[geometry]
@@ -297,6 +298,33 @@ def test_cuda_arrays_match_the_definition(kind, geometry, form):
             assert type(go) is type(t["mu"]) and (out is None or go is out)
             np.testing.assert_allclose(to_f64(mo), mean, rtol=tol, atol=tol)
             np.testing.assert_allclose(to_f64(go), want, rtol=tol, atol=tol)
+
+
+def test_numba_device_arrays_follow_their_streams():
+    """Numba device arrays on their own streams: computed after the stream mu names, on the
+    one out names; new results name the stream computed on; the results are right."""
+    if "numba" not in kinds_for("cuda"):
+        pytest.skip("no numba device arrays here")
+    from numba import cuda
+
+    rng = np.random.default_rng(3)
+    a = problem(rng, 2, 4, 6, 2, 6, 5, (3, 3), "full", "channel", "channel")
+    mean, cov = reference(**a, padding=(1, 1), groups=2)
+    s_in, s_out = cuda.stream(), cuda.stream()
+    t = {n: v if v is None or isinstance(v, float) else
+         cuda.to_device(np.asarray(v, np.float64), stream=s_in) for n, v in a.items()}
+    mo, go = convcov.conv2d_moments(t["mu"], t["gamma"], t["weight"], t["bias"], t["c"],
+                                    c_bias=t["c_bias"], padding=1, groups=2, out_layout="diag")
+    stream = t["mu"].__cuda_array_interface__["stream"]
+    assert stream is not None and mo.__cuda_array_interface__["stream"] == stream
+    np.testing.assert_allclose(mo.copy_to_host(stream=s_in), mean, rtol=1e-11, atol=1e-11)
+    np.testing.assert_allclose(go.copy_to_host(stream=s_in), in_layout(cov, "diag"),
+                               rtol=1e-11, atol=1e-11)
+    out = cuda.device_array(in_layout(cov, "full").shape, np.float64, stream=s_out)
+    _, go = convcov.conv2d_moments(t["mu"], t["gamma"], t["weight"], t["bias"], t["c"],
+                                   c_bias=t["c_bias"], padding=1, groups=2, out=out)
+    assert go is out
+    np.testing.assert_allclose(out.copy_to_host(stream=s_out), cov, rtol=1e-11, atol=1e-11)
 
 
 def test_backends_give_the_same_result():
@@ -565,5 +593,9 @@ def test_bench_checks_and_times_every_row(monkeypatch, capsys):
     rows = bench_moments.run("cpu", ["tiny"], repeat=3, budget_s=0)["rows"]
     timed = [r for r in rows if "seconds" in r]
     assert len(timed) >= 7 and all(r["error"] < 1e-5 for r in timed)
+    assert all(0 < r["floor_s"] and r["of_floor"] == r["floor_s"] / r["seconds"]
+               for r in timed)
+    assert "of floor" in text
+
     with pytest.raises(ValueError, match="unknown layer"):
         bench_moments.run("cpu", ["nope"])
