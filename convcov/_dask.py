@@ -224,14 +224,18 @@ _pool = _Pool(_physical_bytes() // 8)
 
 def _accumulate_task(out, gamma, mu, c, kernel_size, stride, padding, dilation, groups,
                      backend):
-    # A chunk is never written (other tasks may hold it): the result is new memory, on
-    # the host written straight from out (accumulate_apart); CuPy's own pool reuses
-    # device memory and a copy there costs little.
+    # A chunk is never written (other tasks may hold it): the result is new memory (the
+    # host's from the result pool, CuPy's from CuPy's own), written straight from out
+    # (accumulate_apart) where the backend can.
     gamma, mu, c = _block(gamma), _block(mu), _block(c)
     conv = (kernel_size, stride, padding, dilation, groups, backend)
     if type(out) is np.ndarray:
         return _frontend.accumulate_apart(_pool.empty(out.shape, out.dtype), out, gamma, mu,
                                           c, *conv)
+    cupy = sys.modules.get("cupy")
+    if cupy is not None and isinstance(out, cupy.ndarray):
+        new = cupy.empty_like(out)
+        return _settle(_frontend.accumulate_apart(new, out, gamma, mu, c, *conv))
     new = out.copy()
     _frontend.accumulate(new, gamma, mu, c, kernel_size, stride=stride, padding=padding,
                          dilation=dilation, groups=groups, backend=backend)

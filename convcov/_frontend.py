@@ -704,17 +704,17 @@ def accumulate_unrouted(out, gamma, mu, c, kernel_size, stride, padding, dilatio
 
 def accumulate_apart(new, out, gamma, mu, c, kernel_size, stride, padding, dilation, groups,
                      backend):
-    """``new = out + c * S`` for NumPy arrays, ``out`` only read: :func:`accumulate` for a
-    caller that may not write ``out`` (dask's tasks). ``new``: of out's shape and dtype,
-    apart from every input. Validated as the call into ``new``; out's values reach the
-    backend as the source of Backend.accumulate_apart where the two share their strides
-    and rows (i1, j1) are contiguous in the diagonal layout, else new gets a copy of out
-    and the call runs in place."""
+    """``new = out + c * S`` for NumPy or CuPy arrays, ``out`` only read: :func:`accumulate`
+    for a caller that may not write ``out`` (dask's tasks). ``new``: of out's kind, shape
+    and dtype, apart from every input. Validated as the call into ``new``; out's values
+    reach the backend as the source of Backend.accumulate_apart where the two share their
+    strides and rows (i1, j1) are contiguous in the diagonal layout, else new gets a copy
+    of out and the call runs in place."""
     p = normalise(new, gamma, mu, c, kernel_size, stride, padding, dilation, groups)
     b = _registry.select(backend, p.device[0], _dtypes(p))
     if (p.empty or p.full_out or out.strides != new.strides
             or p.out_info.strides[4:] != (p.Wo, 1)):
-        np.copyto(new, out)
+        new[...] = out
         if not p.empty:
             b.accumulate(p)
     else:

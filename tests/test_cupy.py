@@ -634,9 +634,10 @@ def _host_backend(sms, host_kernels, launched=None, watch=lambda: None):
     return Host()
 
 
-def _run_on_host(host_kernels, p, sms):
+def _run_on_host(host_kernels, p, sms, src=None):
     """The backend's plan for p (numpy arrays), launched on the host build through the
-    backend's own _fill and _launch_all."""
+    backend's own _fill and _launch_all; out's values read from ``src`` where given (the
+    apart path)."""
     from convcov.backends import cupy as mod
 
     plan = _host_backend(sms, host_kernels)._plan(p, 0)
@@ -646,6 +647,7 @@ def _run_on_host(host_kernels, p, sms):
     args = mod._fill(plan, mod._CALL_SLOTS,
                      (p.out_info.ptr, 0 if p.gamma_info is None else p.gamma_info.ptr,
                       p.mu_info.ptr, cptr, base + plan.t_offset, base,
+                      p.out_info.ptr if src is None else src.ctypes.data,
                       mod._c_bits(cptr, p.c_value)))
     mod._launch_all(plan, args)
     return [ln.func.name for ln in plan.launches]
@@ -939,6 +941,55 @@ def test_negative_strides(path, form, flip):
     args, bufs = _flipped_problem(form, flip, cupy, seed=len(flip))
     _check(*args)
     _guards_intact(bufs)
+
+
+@pytest.mark.parametrize("forced", PATHS)
+def test_apart_on_host(host_kernels, monkeypatch, forced):
+    """out's values read from another array (accumulate_apart, dask's tasks): ``new =
+    source + c * S`` on the channel diagonal, the rest of new and all of source untouched,
+    on every path of the host build."""
+    from kinds import op_loops
+
+    from convcov import _frontend
+
+    _force(monkeypatch, forced)
+    rng = np.random.default_rng(11)
+    for B, Ci, Co, G, H, W, k, s, pd, d in _HOST_CASES[:5]:
+        Ho, Wo = ((n + 2 * q - e * (m - 1) - 1) // t + 1 for n, q, e, m, t in
+                  ((H, pd[0], d[0], k[0], s[0]), (W, pd[1], d[1], k[1], s[1])))
+        source = rng.normal(size=(B, Co, Ho, Wo, Ho, Wo)).astype(np.float32)
+        gamma = rng.normal(size=(B, Ci, H, W, H, W)).astype(np.float32)
+        mu, c = rng.normal(size=(B, Ci, H, W)).astype(np.float32), rng.random(Co)
+        kept, new = source.copy(), np.full_like(source, np.nan)
+        want = op_loops(source, gamma, mu, c, *k, s, pd, d, G)
+        p = _frontend.normalise(new, gamma, mu, c, k, s, pd, d, G)
+        _run_on_host(host_kernels, p, (4, 256), src=source)
+        np.testing.assert_array_equal(source, kept)
+        np.testing.assert_allclose(new, want, rtol=1e-5, atol=1e-5)
+
+
+@gpu
+def test_apart_on_the_gpu(path):
+    """accumulate_apart on CuPy arrays: the same bits as the call in place on a copy of
+    out, and out untouched; an odd-aligned source takes the copy and gives them too."""
+    if "cupy" not in _kinds():
+        pytest.skip("needs CuPy arrays")
+    import cupy
+
+    from convcov import _frontend
+
+    rng = np.random.default_rng(12)
+    B, Ci, Co, G, H, W, k, s, pd, d = _HOST_CASES[1]
+    Ho, Wo = H + 2 * pd[0] - 2, W + 2 * pd[1] - 2
+    out = cupy.asarray(rng.normal(size=(B, Co, Ho, Wo, Ho, Wo)), cupy.float32)
+    gamma = cupy.asarray(rng.normal(size=(B, Ci, H, W, H, W)), cupy.float32)
+    mu, c = cupy.asarray(rng.normal(size=(B, Ci, H, W)), cupy.float32), 0.25
+    kept, want = out.copy(), out.copy()
+    convcov.accumulate(want, gamma, mu, c, k, stride=s, padding=pd, dilation=d, groups=G)
+    shifted = cupy.empty(out.size + 1, out.dtype)[1:].reshape(out.shape)
+    for new in (cupy.empty_like(out), shifted):
+        _frontend.accumulate_apart(new, out, gamma, mu, c, k, s, pd, d, G, None)
+        assert bool(cupy.array_equal(new, want)) and bool(cupy.array_equal(out, kept))
 
 
 #: (k, stride, padding, dilation): 3x3; a row stride; kh = 2, kw = 3 with column dilation.

@@ -81,6 +81,7 @@ _ACC_CXX = {"float32": "float", "float64": "double"}
 #: generated from this list, so the Python packing and the C++ layout cannot drift apart.
 _FIELDS = (
     "out", "gamma", "mu", "c", "t", "s",     # device addresses (gamma, c: 0 when absent)
+    "src",                                     # out's values are read here (out: in place)
     "B", "G", "Cg", "Cog", "H", "W", "Ho", "Wo",
     "kh", "kw", "sh", "sw", "ph", "pw", "dh", "dw",
     "so0", "so1", "so2", "so3", "so4", "so5",  # out (b, c0, i0, j0, i1, j1), diagonal folded
@@ -640,6 +641,7 @@ __global__ void __launch_bounds__(THREADS, SRC_T ? FUSED_T_BLOCKS : 2) cc_fused(
         }
       }
       To* op = out + b * a.so0 + i0 * a.so2 + j0 * a.so3 + oq;
+      const To* os = (const To*)a.src + (op - out);  // op's element of src (not for to_s)
       if (a.to_s) {  // S itself (Acc = To): stored, not added
         To o[V];
 #pragma unroll
@@ -651,7 +653,7 @@ __global__ void __launch_bounds__(THREADS, SRC_T ? FUSED_T_BLOCKS : 2) cc_fused(
         Raw<To, V> old[UNROLL_OUT];
 #pragma unroll
         for (int u = 0; u < UNROLL_OUT; ++u)
-          if (c0 + u < c0_end) ldraw<To, V, 1>(op + (c0 + u) * a.so1, old[u]);
+          if (c0 + u < c0_end) ldraw<To, V, 1>(os + (c0 + u) * a.so1, old[u]);
 #pragma unroll
         for (int u = 0; u < UNROLL_OUT; ++u) {
           if (c0 + u < c0_end) {
@@ -688,6 +690,7 @@ __global__ void __launch_bounds__(THREADS) cc_stream(const Args a) {
     for (i64 r = blockIdx.y * blockDim.y + threadIdx.y; r < a.nseg; r += (i64)gridDim.y * blockDim.y) {
       const int i0 = (int)r / Wo, j0 = (int)r - i0 * Wo;
       To* o = (To*)a.out + b * a.so0 + c0 * a.so1 + (a.nseg > 1 ? i0 * a.so2 + j0 * a.so3 : 0);
+      const To* os = (const To*)a.src + (o - (To*)a.out);
       const Acc* sr = s_bg + r * a.seg_len;
       for (i64 n0 = (i64)blockIdx.x * STREAM_U * blockDim.x + threadIdx.x; n0 < nv; n0 += step) {
         Raw<To, V> old[STREAM_U];
@@ -696,7 +699,7 @@ __global__ void __launch_bounds__(THREADS) cc_stream(const Args a) {
         for (int u = 0; u < STREAM_U; ++u) {
           const i64 n = n0 + (i64)u * blockDim.x;
           if (n < nv) {
-            ldraw<To, V, 1>(o + n * V, old[u]);
+            ldraw<To, V, 1>(os + n * V, old[u]);
             ldv_as<Acc, Acc, V>(sr, n * V, sv[u]);
           }
         }
@@ -913,8 +916,9 @@ def _family_names(family):
 #: reads the dtype's description on every launch, which costs per field.
 _ARGS = np.dtype([("words", "<i8", (len(_FIELDS),))])
 #: Args slots a forward call writes, in the order _launch gives their values: the
-#: addresses of out, gamma, mu, c, T and S, and c's bits when c is a number (c_value).
-_CALL_SLOTS = np.array([_SLOT[n] for n in ("out", "gamma", "mu", "c", "t", "s", "c_value")])
+#: addresses of out, gamma, mu, c, T, S and src, and c's bits when c is a number (c_value).
+_CALL_SLOTS = np.array([_SLOT[n] for n in ("out", "gamma", "mu", "c", "t", "s", "src",
+                                           "c_value")])
 _BLOCK = (_THREADS,)
 
 
@@ -1347,11 +1351,20 @@ class CupyBackend(Backend):
     def accumulate(self, p) -> None:
         self._on_device(p.device, self._run, p)
 
-    def _run(self, dev, p):
+    def accumulate_apart(self, p, source) -> None:
+        # out's values read from source: its strides are out's (the contract), and the
+        # same address modulo 16 keeps the plan's vector width valid for both.
+        src = source.data.ptr if hasattr(source, "data") and hasattr(source.data, "ptr") \
+            else None
+        if p.kind != "cupy" or src is None or src % 16 != p.out_info.ptr % 16:
+            return super().accumulate_apart(p, source)
+        self._on_device(p.device, self._run, p, src)
+
+    def _run(self, dev, p, src=None):
         stream, _ = self._streams(p, dev)  # (the forward writes one array: none to follow)
         self._launch(dev, self._plan_of(dev, p), p.kind, stream, p.out_info.ptr,
                      0 if p.gamma_info is None else p.gamma_info.ptr, p.mu_info.ptr,
-                     0 if p.c_info is None else p.c_info.ptr, p.c_value)
+                     0 if p.c_info is None else p.c_info.ptr, p.c_value, src)
 
     def _cached(self, key, make, *args):
         """The plan cached under ``key``, made by make(*args) the first time."""
@@ -1366,13 +1379,15 @@ class CupyBackend(Backend):
     def _plan_of(self, dev, p):
         return self._cached((dev, p.layout_key()), self._plan, p, dev)  # all but addresses
 
-    def _launch(self, dev, plan, kind, stream, optr, gptr, mptr, cptr, c_value):
+    def _launch(self, dev, plan, kind, stream, optr, gptr, mptr, cptr, c_value, src=None):
         """Launch a plan on ``dev`` (current) on ``stream`` (``_streams``): the addresses
         of out, gamma, mu and c (0 for an absent gamma, which the kernels test, and for a
-        number c, which they then take from c_value)."""
+        number c, which they then take from c_value), and of out's values (``src``: out
+        itself unless given)."""
         with self._scratch(kind, plan, dev, stream) as s_ptr:
             args = _fill(plan, _CALL_SLOTS, (optr, gptr, mptr, cptr, s_ptr + plan.t_offset,
-                                             s_ptr, _c_bits(cptr, c_value)))
+                                             s_ptr, optr if src is None else src,
+                                             _c_bits(cptr, c_value)))
             with self._on_stream(kind, stream):
                 _launch_all(plan, args)
 
@@ -1400,7 +1415,7 @@ class CupyBackend(Backend):
                 stream = stream_of(dev)
                 owner, s_ptr = torch_scratch(nbytes, dev, stream) if nbytes else (None, 0)
                 args = _fill(plan, _CALL_SLOTS, (optr, gptr, mptr, cptr, s_ptr + t_offset,
-                                                 s_ptr, _c_bits(cptr, c_value)))
+                                                 s_ptr, optr, _c_bits(cptr, c_value)))
                 with stream_object(stream):
                     _launch_all(plan, args)
                 del owner  # back to its stream-ordered pool, behind the launches
