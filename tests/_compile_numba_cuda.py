@@ -23,10 +23,10 @@ TYPES = ("float16", "uint16", "float32", "float64")
 #: 16 bytes (convcov._arrays.vector_width), or one at a time.
 WIDTHS = {"float16": (1, 2, 4, 8), "uint16": (1, 2, 4, 8), "float32": (1, 2, 4),
           "float64": (1, 2)}
-#: Each kernel's pointers, in _signature's order (S's walk and box filter have none).
-POINTERS = {"gsum": ("gamma", "mu"), "stream": ("out", "c"), "stream_rows": ("out", "c"),
-            "direct": ("out", "gamma", "mu", "c"), "vjp_gamma": ("grad_S", "grad_gamma"),
-            "vjp_mu": ("grad_S", "mu", "grad_mu")}
+#: Each kernel's pointers, in _signature's order (fused_t reads T, not gamma and mu).
+POINTERS = {"gsum": ("gamma", "mu"), "fused": ("out", "gamma", "mu", "c"),
+            "fused_t": ("out", "c"), "stream": ("out", "c"),
+            "vjp_gamma": ("grad_S", "grad_gamma"), "vjp_mu": ("grad_S", "mu", "grad_mu")}
 
 
 def requests():
@@ -35,24 +35,22 @@ def requests():
     test_compiled_variants_cover_every_request checks it against what the plans ask for):
 
     * each array of a call (out, gamma, mu, c; grad_S, mu, grad_gamma, grad_mu) in any of
-      the four dtypes; an absent gamma reads as mu's type, a number c as out's;
+      the four dtypes; an absent gamma reads as mu's type, a number c as out's; where the
+      fused kernel writes S, out and c are the accumulation type;
     * sums in float64 when any array of the call is float64, else in float32, or in
-      float64 when c is a number beyond float32's range. The kernels other than direct
-      see some of the call's arrays only, so any of their type mixes can meet float64
-      sums; direct sees all four, so with none float64 only a number c (out's type) can;
-    * V: gamma's vector width for gsum, out's for the update (stream, or stream_rows for
-      the evenly spaced rows of a full layout), 1 for the others; the diagonal walk's V
-      is the kernel height it is compiled for: 0 (any), 3, or 33 (3 x 3, width too)."""
+      float64 when c is a number beyond float32's range. The kernels other than fused see
+      some of the call's arrays only, so any of their type mixes can meet float64 sums;
+      fused sees all four, so with none float64 only a number c (out's type) can;
+    * V: gamma's vector width for gsum, out's (or S's) for fused, fused_t and stream, 1
+      for the backward."""
     out = []
-    for acc in ("float32", "float64"):
-        out += [("sbox_walk", (), acc, kh) for kh in (0, 3, 33)] + [("sbox", (), acc, 1)]
     for name, pointers in POINTERS.items():
         for elems in itertools.product(TYPES, repeat=len(pointers)):
             accs = ("float64",) if "float64" in elems else ("float32", "float64")
-            if name == "direct" and "float64" not in elems and elems[3] != elems[0]:
+            if name == "fused" and "float64" not in elems and elems[3] != elems[0]:
                 accs = ("float32",)
             for acc in accs:
-                widths = WIDTHS[elems[0]] if name in ("gsum", "stream", "stream_rows") else (1,)
+                widths = (1,) if name.startswith("vjp") else WIDTHS[elems[0]]
                 out += [(name, elems, acc, V) for V in widths]
     return out
 
@@ -69,8 +67,8 @@ def variants(every=False):
     if every:
         return reqs
 
-    def covers(r):  # (pointer, element type) pairs; a kernel with no pointer, itself
-        return set(enumerate(r[1])) or {r}
+    def covers(r):  # (pointer, element type) pairs
+        return set(enumerate(r[1]))
 
     out = []
     for key in dict.fromkeys((name, acc, V) for name, _, acc, V in reqs):
@@ -107,7 +105,8 @@ def main(argv=()):
         label = f"{name} {elems} {acc} V={V}"
         try:
             ptx, _ = cuda.compile_ptx(nc._kernel_function(name, elems, acc, V),
-                                      nc._signature(name, elems, acc), cc=(9, 0))
+                                      nc._signature(name, elems, acc), cc=(9, 0),
+                                      launch_bounds=nc._launch_bounds(name))
             opts = ["-arch=sm_90"]
             h = nvjitlink.create(len(opts), opts)
             try:

@@ -43,7 +43,10 @@ def main(guard: bool) -> int:
     import convcov
     from convcov.backends import numba_cuda as mod
 
-    mod.DIRECT_TERMS = mod.DIRECT_RATIO = -1  # three launches: S and T in scratch
+    from convcov.backends import _plan
+
+    _plan.direct_source = lambda *args: False  # three launches: T and S in scratch
+    _plan.stream_s = lambda *args: True
     if not guard:
         mod._hold = lambda dev, owner, stream: None  # the owner goes as the call returns
     scratch = []

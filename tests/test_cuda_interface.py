@@ -40,11 +40,9 @@ def path(request, monkeypatch):
     from convcov.backends import numba_cuda as numba_cuda_mod
 
     direct = request.param == "direct"
-    # cupy: S from gamma and mu straight into out, or T, then S written, then out streamed
+    # both: S from gamma and mu straight into out, or T, then S written, then out streamed
     monkeypatch.setattr(_plan, "direct_source", lambda *args: direct)
     monkeypatch.setattr(_plan, "stream_s", lambda *args: not direct)
-    monkeypatch.setattr(numba_cuda_mod, "DIRECT_TERMS", 1 << 62 if direct else -1)
-    monkeypatch.setattr(numba_cuda_mod, "DIRECT_RATIO", 1 << 62 if direct else -1)
     # plans and bound launchers remember the path chosen
     monkeypatch.setattr(_registry.get("cupy"), "_plans", {})
     monkeypatch.setattr(numba_cuda_mod, "_plans", {})

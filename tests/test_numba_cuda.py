@@ -1,17 +1,16 @@
 """The ``numba_cuda`` backend: what the shared property test does not reach.
 
 Without a GPU (CI) the kernels run under Numba's CUDA simulator on numpy and torch CPU
-arrays (tests/conftest.py switches it on): both kernel paths (one launch, S straight from
-gamma; three launches through T and S in global memory) are forced on the same small
-problems of signed inputs, with every layout, ``c`` form, dtype (bfloat16 through torch)
-and conv parameter, the vector widths of the three-launch kernels, padding next to Inf,
-and a float64 sum that must reach bfloat16 with one rounding; the kernels compiled for
-sm_90 without a GPU (tests/_compile_numba_cuda.py) cover every one the plans ask for, over
-every dtype mix. With a GPU the same checks run on torch CUDA tensors, plus what only a
-device can show: CuPy arrays and numba device arrays, a launch on a non-default torch
-stream, an ``out`` of more than 2**31 elements, several threads at once. Tests that need
-what is missing skip and say why.
-"""
+arrays (tests/conftest.py switches it on): each branch of the plan (S straight from gamma
+and mu, or from T; S fused into out, or through memory and streamed into out) is forced
+through ``convcov.backends._plan`` on the same small problems of signed inputs, with every
+layout, ``c`` form, dtype (bfloat16 through torch) and conv parameter, the vector widths,
+split channel chunks, padding next to Inf, and a float64 sum that must reach bfloat16 with
+one rounding; the kernels compiled for sm_90 without a GPU (tests/_compile_numba_cuda.py)
+cover every one the plans ask for, over every dtype mix. With a GPU the same checks run on
+torch CUDA tensors, plus what only a device can show: CuPy arrays and numba device arrays,
+a launch on a non-default torch stream, an ``out`` of more than 2**31 elements, several
+threads at once. Tests that need what is missing skip and say why."""
 
 from __future__ import annotations
 
@@ -90,14 +89,14 @@ def test_every_kernel_compiles_for_the_gpu():
 def _requested_kernels(monkeypatch):
     """Every kernel (name, pointer element types, accumulation dtype, V) the plans ask
     numba_cuda._kernel for over a sweep of calls, launching nothing (simulator, torch CPU
-    tensors: bfloat16 comes from torch). Forward, through S straight from gamma: every
-    dtype of out, gamma, mu and c, and every one without float64 with a number c beyond
-    float32's range (float64 sums). Through T and S: each gamma and mu dtype (gsum) and
-    each out and c dtype (the update, diagonal and full layouts) at each vector width
-    (the address V elements past a 32-byte boundary) with float32 and float64 sums (a
-    float64 array beside them), and each walk of S. Backward: each dtype of grad_S and
-    grad_gamma, and of grad_S, mu and grad_mu, with float32 and float64 sums. And the
-    other forms: gamma None, full gamma, a number c, a 0-d c."""
+    tensors: bfloat16 comes from torch). Forward, S straight from gamma: every dtype of
+    out, gamma, mu and c at each vector width of out (the address V elements past a
+    32-byte boundary), and every one without float64 with a number c beyond float32's
+    range (float64 sums). Each gamma and mu dtype (gsum) at each width, and each out and
+    c dtype (fused, fused_t, stream; diagonal and full layouts) at each width with float32
+    and float64 sums (a float64 array beside them), and S written. Backward: each dtype
+    of grad_S and grad_gamma, and of grad_S, mu and grad_mu, with float32 and float64
+    sums. And the other forms: gamma None, full gamma, a number c, a 0-d c."""
     import itertools
 
     import torch
@@ -133,17 +132,11 @@ def _requested_kernels(monkeypatch):
     mu_shape, s_shape = (1, 2, 4, 4), (1, 1, 4, 4, 4, 4)
     diag, full_shape = (1, 2, 4, 4, 4, 4), (1, 2, 4, 4, 2, 4, 4)  # out's and gamma's
 
-    def forward(o, g, m, c, direct, Vg=None, Vo=None, full=False, k=1, **flags):
-        """One call (B 1, Ci = Co = 2, 4 x 4, padding keeping 4 x 4) on one path, with
-        these numba_cuda flags: g None or "full:" + type; c a type (shape (Co,)),
-        "0d:" + type, or a number."""
+    def forward(o, g, m, c, direct, Vg=None, Vo=None, full=False, k=1, stream=False):
+        """One call (B 1, Ci = Co = 2, 4 x 4, padding keeping 4 x 4) on one plan branch: g
+        None or "full:" + type; c a type (shape (Co,)), "0d:" + type, or a number."""
         with monkeypatch.context() as mp:
-            mp.setattr(mod, "DIRECT_TERMS", 1 << 62 if direct else -1)
-            mp.setattr(mod, "DIRECT_RATIO", 1 << 62 if direct else -1)
-            for name, value in flags.items():
-                mp.setattr(mod, name, value)
-            mod._plans.clear()
-            _frontend._bound.clear()
+            _force(mp, direct, stream)
             gamma = None if g is None else (arr(full_shape, g[5:]) if g.startswith("full:")
                                             else arr(diag, g, Vg))
             cc = (c if not isinstance(c, str) else arr((), c[3:]) if c.startswith("0d:")
@@ -159,20 +152,23 @@ def _requested_kernels(monkeypatch):
 
     no_f64 = ("float16", "uint16", "float32")  # with these alone: float32 sums
     for o, g, m, c in itertools.product(TYPES, repeat=4):
-        forward(o, g, m, c, True)
+        for V in WIDTHS[o]:
+            forward(o, g, m, c, True, Vo=V)
     for o, g, m in itertools.product(no_f64, repeat=3):
-        forward(o, g, m, 1e-39, True)  # below float32's normal range: float64 sums
+        for V in WIDTHS[o]:
+            forward(o, g, m, 1e-39, True, Vo=V)  # below float32's normal range: f64 sums
     for acc in ("float32", "float64"):  # the dtype of the arrays beside, so of the sums
         types = no_f64 if acc == "float32" else TYPES
         for g, m in itertools.product(types, repeat=2):
             for V in WIDTHS[g]:
-                forward(acc, g, m, acc, False, Vg=V)
-        for o, c in itertools.product(types, repeat=2):
-            for V in WIDTHS[o]:
-                for full in (False, True):
-                    forward(o, acc, acc, c, False, Vo=V, full=full)
-        for k, flags in ((1, {}), (3, {}), (3, {"WALK_KW": False}), (3, {"SBOX_WALK": False})):
-            forward(acc, acc, acc, acc, False, k=k, **flags)
+                forward(acc, g, m, acc, False, Vg=V)  # gsum at each width of gamma
+        for direct in (True, False):
+            for o, c in itertools.product(types, repeat=2):
+                for V in WIDTHS[o]:  # the fused kernel and stream at each width of out
+                    for full, stream in itertools.product((False, True), repeat=2):
+                        forward(o, acc, acc, c, direct, Vo=V, full=full, stream=stream)
+            for g, m in itertools.product(types, repeat=2):  # S written: out and c are acc
+                forward(acc, g, m, acc, direct, stream=True)
         for s, g in itertools.product(types, repeat=2):
             backward(s, acc, g, None)
         for s, m, d in itertools.product(types, repeat=3):
@@ -190,11 +186,11 @@ def _requested_kernels(monkeypatch):
 def test_compiled_variants_cover_every_request(monkeypatch):
     """The GPU compile test's list cannot drift from the plans: every kernel the plans
     ask for over a sweep of calls (_requested_kernels: each dtype mix, bfloat16 and
-    float64 among them, both paths, each vector width, float64 sums, the backward) is one
+    float64 among them, every branch, each vector width, float64 sums, the backward) is one
     that tests/_compile_numba_cuda.py's requests() derives from the plans' rules, the
     sweep asks for each of those, and the variants test_every_kernel_compiles_for_the_gpu
     compiles cover each: a compiled variant of the same kernel, accumulation dtype and
-    width has its element type at each pointer (a kernel with no pointer: itself)."""
+    width has its element type at each pointer."""
     from _compile_numba_cuda import requests, variants
 
     asked = _requested_kernels(monkeypatch)
@@ -229,27 +225,43 @@ def test_import_of_convcov_does_not_import_numba_cuda():
 
 # ------------------------------------------------------------------ helpers
 def _forget_plans(monkeypatch):
-    """Empty plan and bound-launcher caches for this test: both remember what the flags
-    chose (the path, the walk's shape) when a signature was first seen."""
+    """Empty plan and bound-launcher caches for this test: both remember the branch the
+    plan took when a signature was first seen."""
     from convcov.backends import numba_cuda as mod
 
     monkeypatch.setattr(mod, "_plans", {})
     monkeypatch.setattr(_frontend, "_bound", {})
 
 
-@pytest.fixture(params=["direct", "three", "three-box"])
-def path(request, monkeypatch):
-    """Force one kernel path: S straight from gamma and mu (one launch), or through the
-    channel sum T and S in global memory (three launches: S by walks along its diagonals
-    where they serve, or, "three-box", one thread an element of S everywhere)."""
-    from convcov.backends import numba_cuda as mod
+def _force(monkeypatch, direct, stream):
+    """Force both of the plan's choices (``convcov.backends._plan``, as cupy's plan reads
+    them): S straight from gamma and mu (``direct``) or from T, and S fused into out or
+    through memory and streamed into out (``stream``)."""
+    from convcov.backends import _plan
 
-    direct = request.param == "direct"
-    monkeypatch.setattr(mod, "DIRECT_TERMS", 1 << 62 if direct else -1)
-    monkeypatch.setattr(mod, "DIRECT_RATIO", 1 << 62 if direct else -1)
-    monkeypatch.setattr(mod, "SBOX_WALK", request.param != "three-box")
+    monkeypatch.setattr(_plan, "direct_source", lambda *args: direct)
+    monkeypatch.setattr(_plan, "stream_s", lambda *args: stream)
     _forget_plans(monkeypatch)
+
+
+#: The plan's branches: (S straight from gamma and mu, S through memory).
+PATHS = {"direct": (True, False), "t": (False, False), "direct-stream": (True, True),
+         "t-stream": (False, True)}
+
+
+@pytest.fixture(params=list(PATHS))
+def path(request, monkeypatch):
+    """Force one branch of the plan: S from gamma and mu or from T (``gsum``), fused into
+    out or written and streamed into out (``stream``; where out's (i1, j1) planes are
+    contiguous, else the plan fuses)."""
+    _force(monkeypatch, *PATHS[request.param])
     return request.param
+
+
+def _names(mod):
+    """The kernels of the one plan made since the caches were emptied, with their V."""
+    (plan,) = mod._plans.values()
+    return [(ln.name, ln.V) for ln in plan.launches]
 
 
 def _problem(rng, B, Ci, Co, H, W, k, full_out=True, gamma="full", G=1, stride=(1, 1),
@@ -327,13 +339,11 @@ CONVS = {  # name: (B, Ci, Co, H, W, k, G, stride, padding, dilation)
     "strided-dilated-groups": (2, 4, 2, 5, 6, (2, 3), 2, (2, 1), (1, 0), (1, 2)),
     "eight-channels": (1, 9, 9, 3, 3, (2, 1), 1, (1, 1), (0, 0), (1, 1)),  # unrolled loops
     "seventeen-out-channels": (1, 2, 17, 3, 3, (2, 2), 1, (1, 1), (0, 0), (1, 1)),
-    # the largest kernel height whose row sums the diagonal walk keeps, and one taller
-    "seven-rows": (1, 2, 2, 9, 4, (7, 2), 1, (1, 1), (2, 1), (1, 1)),
-    "eight-rows": (1, 2, 2, 9, 3, (8, 1), 1, (1, 1), (1, 0), (1, 1)),
+    "tall-kernel": (1, 2, 2, 9, 3, (8, 1), 1, (1, 1), (1, 0), (1, 1)),
 }
 
 
-# ------------------------------------------------------------------ both paths, here
+# ------------------------------------------------------------------ every branch, here
 @available
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("conv", list(CONVS))
@@ -360,8 +370,8 @@ def test_dtypes(path, dtypes):
         pytest.skip("torch with CUDA is not installed")
     if not HAS_TORCH:
         kind = "numpy"
-    # Two groups of three output channels: 16-bit out's stream pairs a group's channels,
-    # and the odd one out must not spill into the next group.
+    # Two groups of three output channels: a chunk of UNROLL channels leaves one alone,
+    # which must not spill into the next group.
     out, g, mu, c, k, cv = _problem(np.random.default_rng(2), 1, 2, 6, 4, 4, (2, 2), G=2)
     _check(out, g, mu, c, k, cv, kind, dtypes)
 
@@ -369,9 +379,8 @@ def test_dtypes(path, dtypes):
 @available
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_sixteen_bit_vectors(path, dtype):
-    """16-bit out in 16-byte vectors (contiguous diagonal layout, 4x4 planes): the stream
-    keeps them as 32-bit words until the arithmetic and pairs a group's output channels;
-    a group of three leaves one alone."""
+    """16-bit out in vectors (contiguous diagonal layout, 5x5 planes: no vector divides
+    25, and 4x4: 8 elements, 16 bytes), two elements a 32-bit word in the loads."""
     kind = "torch_cuda" if ON_GPU else "torch"
     if not HAS_TORCH:
         if dtype == "bfloat16":
@@ -379,9 +388,10 @@ def test_sixteen_bit_vectors(path, dtype):
         kind = "numpy"
     if ON_GPU and not torch_cuda():
         pytest.skip("torch with CUDA is not installed")
-    out, g, mu, c, k, cv = _problem(np.random.default_rng(5), 2, 2, 6, 5, 5, (2, 2),
-                                    full_out=False, gamma="diag", G=2)
-    _check(out, g, mu, c, k, cv, kind, (dtype,) * 4)
+    for hw in (5, 4):
+        out, g, mu, c, k, cv = _problem(np.random.default_rng(5), 2, 2, 6, hw, hw, (2, 2),
+                                        full_out=False, gamma="diag", G=2, padding=(1, 1))
+        _check(out, g, mu, c, k, cv, kind, (dtype,) * 4)
 
 
 @available
@@ -434,28 +444,39 @@ def test_negative_strides_on_the_gpu(path, full_out, gamma):
 
 @available
 @pytest.mark.parametrize("dtype, full_out, misaligned, widths", [
-    ("float32", False, False, {"gsum": 4, "stream": 4}),  # 16-byte loads; out: one axpy
-    ("float32", True, False, {"gsum": 4, "stream": 4}),   # out: a segment per (i0, j0)
-    ("float32", False, True, {"gsum": 4, "stream": 1}),   # out one element off alignment
-    ("float16", False, False, {"gsum": 8, "stream": 8}),
-    ("float64", True, False, {"gsum": 2, "stream": 2}),
+    ("float32", False, False, {"gsum": 4, "fused_t": 4, "stream": 4}),  # out: one block
+    ("float32", True, False, {"gsum": 4, "fused_t": 4, "stream": 4}),   # out: rows
+    ("float32", False, True, {"gsum": 4, "fused_t": 4, "stream": 1}),   # out one element off
+    ("float16", False, False, {"gsum": 8, "fused_t": 4, "stream": 8}),  # S written in float32
+    ("float64", True, False, {"gsum": 2, "fused_t": 2, "stream": 2}),
 ])
 def test_vector_widths(monkeypatch, dtype, full_out, misaligned, widths):
-    """The three-launch kernels load V consecutive elements at once when the layout and
-    the alignment allow (convcov._arrays.vector_width), element by element otherwise;
-    every width gives the literal loops' result."""
+    """The kernels load V consecutive elements at once where the layout and the alignment
+    allow (convcov._arrays.vector_width), element by element otherwise; every width gives
+    the literal loops' result. (S through memory: fused_t's V is S's, 16 bytes of sums.)"""
     from convcov.backends import numba_cuda as mod
 
-    monkeypatch.setattr(mod, "DIRECT_TERMS", -1)
-    _forget_plans(monkeypatch)
+    _force(monkeypatch, False, True)
     rng = np.random.default_rng(5)
     out, g, mu, c, k, cv = _problem(rng, 1, 5, 2, 4, 4, (1, 1), full_out, "diag")
     _check(out, g, mu, c, k, cv, KINDS[0], (dtype,) * 4, misalign=misaligned)
-    (plan,) = mod._plans.values()
-    # (the update's rows variant counts as "stream")
-    launched = {("stream" if ln.name.startswith("stream") else ln.name): ln.V
-                for ln in plan.launches}
-    assert {n: launched[n] for n in widths} == widths, launched
+    assert dict(_names(mod)) == widths
+
+
+@available
+@pytest.mark.parametrize("dtype, misaligned, V", [("float32", False, 4), ("float16", False, 8),
+                                                 ("float32", True, 1)])
+def test_fused_vector_widths(monkeypatch, dtype, misaligned, V):
+    """The fused kernel adds into out V elements a load, the vector width of out's
+    (i1, j1) plane, from either source of S."""
+    from convcov.backends import numba_cuda as mod
+
+    for direct in (True, False):
+        _force(monkeypatch, direct, False)
+        out, g, mu, c, k, cv = _problem(np.random.default_rng(6), 1, 2, 5, 4, 4, (3, 3),
+                                        False, "diag", padding=(1, 1))
+        _check(out, g, mu, c, k, cv, KINDS[0], (dtype,) * 4, misalign=misaligned)
+        assert dict(_names(mod))["fused" if direct else "fused_t"] == V
 
 
 def _out_view(a, kind, case):
@@ -474,71 +495,54 @@ def _out_view(a, kind, case):
 
 
 @available
-@pytest.mark.parametrize("case, variant", [
-    ("full", "stream_rows"), ("diag", "stream"), ("full-gapped", "stream"),
-    ("full-permuted", "stream")])
-@pytest.mark.parametrize("hw", [(3, 3), (4, 4), (2, 5), (6, 6)])
-def test_stream_variants_give_the_same_bits(monkeypatch, case, variant, hw):
-    """The out update's rows variant (the evenly spaced rows of a contiguous full layout:
-    a thread's positions found from one division) gives the general kernel's bits; other
-    layouts keep the general kernel. Ho * Wo of 9, 16, 10 and 36 give 9, 4, 5 and 9
-    vectors a row: a block's positions step over rows in every way."""
+@pytest.mark.parametrize("case, rows", [("diag", 1), ("full", "HoWo"), ("full-gapped", "HoWo"),
+                                        ("full-permuted", None)])
+@pytest.mark.parametrize("hw", [(3, 3), (4, 4), (2, 5)])
+def test_stream_rows(monkeypatch, case, rows, hw):
+    """S through memory: stream takes a contiguous out[b, c0] block as one row and any
+    other layout with contiguous (i1, j1) planes a row per (i0, j0); out with other
+    planes (permuted) is fused instead. Each gives the reference's result."""
     from convcov.backends import numba_cuda as mod
 
-    monkeypatch.setattr(mod, "DIRECT_TERMS", -1)
-    monkeypatch.setattr(mod, "DIRECT_RATIO", -1)
+    _force(monkeypatch, False, True)
     kind = KINDS[0]
     out0, g, mu, c, k, conv = _problem(np.random.default_rng(13), 2, 2, 3, *hw, (3, 3),
-                                       not case.startswith("diag"), "diag",
-                                       padding=(1, 1))
-    args = [make(g, kind, "float32"), make(mu, kind, "float32"), make(c, kind, "float32")]
-    results = {}
-    for lean in (False, True):
-        monkeypatch.setattr(mod, "STREAM_ROWS", lean)
-        _forget_plans(monkeypatch)
-        o = _out_view(out0, kind, case)
-        convcov.accumulate(o, *args, k, backend="numba_cuda", **conv)
-        (plan,) = mod._plans.values()
-        assert plan.launches[-1].name == (variant if lean else "stream")
-        results[lean] = to_f64(o)
-    assert results[False].tobytes() == results[True].tobytes()
+                                       not case.startswith("diag"), "diag", padding=(1, 1))
+    o = _out_view(out0, kind, case)
+    convcov.accumulate(o, make(g, kind, "float32"), make(mu, kind, "float32"),
+                       make(c, kind, "float32"), k, backend="numba_cuda", **conv)
+    (plan,) = mod._plans.values()
+    last = plan.launches[-1]
+    if rows is None:
+        assert last.name == "fused_t"
+    else:
+        HoWo = hw[0] * hw[1]
+        assert last.name == "stream" and last.args[-3] == (1 if rows == 1 else HoWo)
     ref = convcov.accumulate(out0.astype(np.float32).astype(np.float64), g.astype(np.float32),
                              mu.astype(np.float32), c.astype(np.float32), k, backend="numpy",
                              **conv)
-    np.testing.assert_allclose(results[True], ref, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(to_f64(o), ref, rtol=1e-5, atol=1e-5)
 
 
 @available
-@pytest.mark.parametrize("padding", [(0, 0), (1, 2)])
-def test_walk_width_compiled_in_gives_the_same_bits(monkeypatch, padding):
-    """The 3x3 walk compiled with its width (V = 33: every column's loads first, the terms
-    outside the input added as zeros, inner rounds without bounds tests) gives the bits of
-    the walk that reads the width at run time (V = 3: those terms left out, every round
-    tested); zeros and Inf in mu reach the sums."""
+@pytest.mark.parametrize("direct", [True, False])
+def test_output_channels_in_chunks(monkeypatch, direct):
+    """Where the threads alone under-fill the device (the simulator pretends a small one),
+    _plan.tiling splits each group's output channels into chunks, each re-forming its S;
+    17 channels a group in two groups: chunks of UNROLL and a last short one."""
+    from convcov.backends import _plan
     from convcov.backends import numba_cuda as mod
 
-    monkeypatch.setattr(mod, "DIRECT_TERMS", -1)
-    monkeypatch.setattr(mod, "DIRECT_RATIO", -1)
-    monkeypatch.setattr(mod, "SBOX_WALK", True)
-    rng = np.random.default_rng(12)
-    out, g, mu, c, k, conv = _problem(rng, 1, 2, 2, 6, 5, (3, 3), False, "diag",
-                                      padding=padding)
-    mu[0, 0, 2, :3] = 0.0
-    mu[0, 1, 4, 1] = -0.0
-    mu[0, 1, 0, 0] = np.inf
-    kind = KINDS[0]
-    results = {}
-    for kw in (False, True):
-        monkeypatch.setattr(mod, "WALK_KW", kw)
-        _forget_plans(monkeypatch)
-        o = make(out, kind, "float32")
-        convcov.accumulate(o, make(g, kind, "float32"), make(mu, kind, "float32"),
-                           make(c, kind, "float32"), k, backend="numba_cuda", **conv)
-        (plan,) = mod._plans.values()
-        assert {ln.name: ln.V for ln in plan.launches}["sbox_walk"] == (33 if kw else 3)
-        results[kw] = to_f64(o)
-    assert results[False].tobytes() == results[True].tobytes()
-    assert np.isinf(results[True]).any()  # the Inf reached out: the sums saw it
+    _force(monkeypatch, direct, False)
+    tilings = []
+    tiling = _plan.tiling
+    monkeypatch.setattr(_plan, "tiling", lambda *a: tilings.append(tiling(*a)) or tilings[-1])
+    out, g, mu, c, k, cv = _problem(np.random.default_rng(7), 1, 4, 34, 3, 3, (2, 2), False,
+                                    "diag", G=2)
+    _check(out, g, mu, c, k, cv, KINDS[0], ("float32",) * 4)
+    (t,) = tilings
+    assert t.nchunk > 1 and 34 // 2 % t.chunk, t
+    assert _names(mod)[-1][0] == ("fused" if direct else "fused_t")
 
 
 @available

@@ -193,21 +193,19 @@ def test_backend_matches_reference(name, data):
 
 
 @pytest.mark.skipif(not SIM, reason="the CUDA simulator is only used when there is no GPU")
-@pytest.mark.parametrize("path", ["direct", "three", "three-box"])
+@pytest.mark.parametrize("path", ["direct", "t", "direct-stream", "t-stream"])
 @settings(max_examples=40)
 @given(data=st.data())
 def test_numba_cuda_simulator_matches_reference(path, data):
-    """Every kernel path: S straight from gamma (one launch; small problems take it on
-    their own) and through T and S (three launches; forced here), S by diagonal walks
-    where they serve or ("three-box") one thread an element."""
+    """Every branch of the plan, forced through convcov.backends._plan: S straight from
+    gamma and mu or from T, fused into out or written and streamed into out."""
+    from convcov.backends import _plan
     from convcov.backends import numba_cuda as mod
 
-    force = 1 << 62 if path == "direct" else -1
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(mod, "DIRECT_TERMS", force)
-        mp.setattr(mod, "DIRECT_RATIO", force)
-        mp.setattr(mod, "SBOX_WALK", path != "three-box")
-        mp.setattr(mod, "_plans", {})  # plans remember the path chosen
+        mp.setattr(_plan, "direct_source", lambda *args: path.startswith("direct"))
+        mp.setattr(_plan, "stream_s", lambda *args: path.endswith("stream"))
+        mp.setattr(mod, "_plans", {})  # plans remember the branch chosen
         mp.setattr(_frontend, "_bound", {})  # ... and so do the bound launchers
         run_case("numba_cuda", data, small=True)
 
