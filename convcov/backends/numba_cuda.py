@@ -181,8 +181,11 @@ if _IMPORT_ERROR is None:
 # ``_STV[n, hint](ptr, i, arr, k)`` stores arr[k : k + n] (a local array of ptr's element
 # type); inline PTX, at most 16 bytes an instruction (16-bit elements in 32-bit words).
 # ``hint``: "cs" evict-first (gamma and out, touched once), "nc" the read-only path (mu, T,
-# S, re-read from the caches), "" none. The caller guarantees min(16, n * itemsize)-byte
-# alignment (convcov._arrays.vector_width). Under the simulator: plain indexing.
+# re-read from the caches), "" none (S in stream: ptxas sinks .nc loads past the stores
+# into their branches, which left one vector of four not in flight). Loads are volatile
+# asm: LLVM must not sink them into the branch of their first use either. The caller
+# guarantees min(16, n * itemsize)-byte alignment (convcov._arrays.vector_width). Under
+# the simulator: plain indexing.
 # ---------------------------------------------------------------------------------------
 if _IMPORT_ERROR is None:
     if SIM:
@@ -241,7 +244,7 @@ if _IMPORT_ERROR is None:
                         r = builder.asm(ir.FunctionType(ty, [_I64]), code,
                                         ",".join(["=" + letter] * m) + ",l",
                                         [_address(builder, args[0], args[1], rt, first)],
-                                        side_effect=False)
+                                        side_effect=True)
                         regs += [r] if m == 1 else [builder.extract_value(r, k) for k in range(m)]
                     if rt == _I32 and lt != _I32:  # words of two 16-bit elements, low first
                         vals = [builder.bitcast(builder.trunc(builder.lshr(
@@ -290,7 +293,7 @@ if _IMPORT_ERROR is None:
                 return nbt.void(ptr, i, arr, k), codegen
             return stv
 
-    _LDV = {(n, h): _make_ldv(n, h) for n in (1, 2, 4, 8) for h in ("cs", "nc")}
+    _LDV = {(n, h): _make_ldv(n, h) for n in (1, 2, 4, 8) for h in ("", "cs", "nc")}
     _STV = {(n, h): _make_stv(n, h) for n in (1, 2, 4, 8) for h in ("", "cs")}
 
 # ---------------------------------------------------------------------------------------
@@ -317,6 +320,7 @@ if _IMPORT_ERROR is None:
             HW = geo[4] * W
             nqv = HW // V
             gsc, msc = gst[1], mst[1]
+            use_g = has_g != 0
             idx = cuda.grid(1)
             while idx < n:
                 row = _div(idx, nqv)  # (b, g, x0, y0)
@@ -345,21 +349,24 @@ if _IMPORT_ERROR is None:
                     mr = cuda.local.array(U, ACC)
                     mc = cuda.local.array(UV, ACC)
                     gv = cuda.local.array(UV, ACC)
+                    # Straight-line code: every load issued before the first is used (a
+                    # load under ``if u < m`` made the next channel's wait for it). Past the
+                    # group's last channel: that one loaded again, its terms 0 (exact: a sum
+                    # from +0 never is -0).
                     for u in range(U):
-                        if u < m:
-                            mr[u] = _to_acc(mptr[omr + u * msc], zero)
-                            y = ldm(mptr, omc + u * msc)
-                            for e in range(V):
-                                mc[u * V + e] = _to_acc(y[e], zero)
-                            if has_g:
-                                y = ldg(gptr, og + u * gsc)
-                                for e in range(V):
-                                    gv[u * V + e] = _to_acc(y[e], zero)
+                        cu = min(u, m - 1)
+                        y = ldm(mptr, omc + cu * msc)
+                        r = _to_acc(mptr[omr + cu * msc], zero)
+                        mr[u] = r if u < m else zero
+                        for e in range(V):
+                            mc[u * V + e] = _to_acc(y[e], zero) if u < m else zero
+                    for u in range(U):  # gamma absent: mu's first row, read as 0
+                        y = ldg(gptr, og + min(u, m - 1) * gsc)
+                        for e in range(V):
+                            gv[u * V + e] = _to_acc(y[e], zero) if u < m and use_g else zero
                     for u in range(U):
-                        if u < m:
-                            for e in range(V):
-                                a = acc[e] + gv[u * V + e] if has_g else acc[e]
-                                acc[e] = mr[u] * mc[u * V + e] + a
+                        for e in range(V):
+                            acc[e] = mr[u] * mc[u * V + e] + (acc[e] + gv[u * V + e])
                     og += U * gsc
                     omr += U * msc
                     omc += U * msc
@@ -483,13 +490,12 @@ if _IMPORT_ERROR is None:
                     c0 = c_first
                     while c0 < c_end and not to_s:
                         old = cuda.local.array(UV, OT)
+                        for u in range(U):  # past the chunk: its last channel, never stored
+                            y = ldo(optr, oo + min(c0 + u, c_end - 1) * ost[1])
+                            for e in range(V):
+                                old[u * V + e] = y[e]
                         for u in range(U):
-                            if c0 + u < c_end:
-                                y = ldo(optr, oo + (c0 + u) * ost[1])
-                                for e in range(V):
-                                    old[u * V + e] = y[e]
-                        for u in range(U):
-                            if c0 + u < c_end:
+                            if u == 0 or c0 + u < c_end:
                                 cv = _to_acc(cptr[cbase + (c0 + u) * cst], zero) if has_c else cval
                                 for e in range(V):
                                     res[e] = _to_elem(optr, _to_acc(old[u * V + e], zero)
@@ -506,7 +512,7 @@ if _IMPORT_ERROR is None:
         its ``nseg`` rows (y) of ``seg_len`` contiguous elements (x; one row for a
         contiguous block, else one per p0), V elements a load, STREAM_U loads a thread in
         flight, S re-read from L2."""
-        SU, lds, ldo, sto = _plan.STREAM_U, _LDV[V, "nc"], _LDV[V, "cs"], _STV[V, "cs"]
+        SU, lds, ldo, sto = _plan.STREAM_U, _LDV[V, ""], _LDV[V, "cs"], _STV[V, "cs"]
         SUV = SU * V  # a local array's size must be a constant
 
         def stream(optr, obase, ost, cptr, cbase, cst, has_c, cval, sptr, geo, nseg, seg_len,
@@ -533,16 +539,16 @@ if _IMPORT_ERROR is None:
                     while n0 < nv:
                         old = cuda.local.array(SUV, OT)
                         sv = cuda.local.array(SUV, ACC)
-                        for u in range(SU):
-                            if n0 + u * bx < nv:
-                                y = ldo(optr, o + (n0 + u * bx) * V)
-                                x = lds(sptr, sr + (n0 + u * bx) * V)
-                                for e in range(V):
-                                    old[u * V + e] = y[e]
-                                    sv[u * V + e] = x[e]
+                        for u in range(SU):  # past the end: the last vector, never stored
+                            nu = min(n0 + u * bx, nv - 1) * V
+                            y = ldo(optr, o + nu)
+                            x = lds(sptr, sr + nu)
+                            for e in range(V):
+                                old[u * V + e] = y[e]
+                                sv[u * V + e] = x[e]
                         res = cuda.local.array(V, OT)
                         for u in range(SU):
-                            if n0 + u * bx < nv:
+                            if u == 0 or n0 + u * bx < nv:  # u = 0: n0 < nv
                                 for e in range(V):
                                     res[e] = _to_elem(optr, _to_acc(old[u * V + e], zero)
                                                       + cv * sv[u * V + e])
@@ -1046,7 +1052,8 @@ def _make_plan(p, dev_id):
     ost = diag_strides(ost, p.full_out)
     _, mbase, mst = _pointer(p.mu, mi)
     if p.gamma is None:
-        gamma_t, gsrc, has_g, gbase, gst = mu_t, _dummy(mu_t), 0, 0, (0,) * 6
+        # gamma absent: its loads read mu[0, ..., 0] (a valid, cached address), as 0
+        gamma_t, gsrc, has_g, gbase, gst = mu_t, _MU, 0, mbase, (0,) * 6
     else:
         gamma_t, gsrc, has_g = _PTR_TYPE[p.gamma_info.dtype], _GAMMA, 1
         _, gbase, gst = _pointer(p.gamma, p.gamma_info)
