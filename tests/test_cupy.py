@@ -672,7 +672,7 @@ _HOST_CASES = [  # (B, Ci, Co, G, H, W, k, stride, padding, dilation)
     (1, 2, 3, 1, 20, 20, (3, 3), (1, 1), (0, 0), (1, 1)),  # several stream tiles, 8-wide
     (1, 2, 2, 1, 9, 5, (7, 2), (1, 1), (2, 1), (1, 1)),  # a tall kernel
     (1, 2, 2, 1, 9, 3, (8, 1), (1, 1), (1, 0), (1, 1)),  # taller than the input is wide
-    (1, 3, 3, 3, 9, 7, (3, 3), (1, 2), (2, 1), (2, 1)),  # depthwise, stride and dilation unequal per axis
+    (1, 3, 3, 3, 9, 7, (3, 3), (1, 2), (2, 1), (2, 1)),  # depthwise, unequal stride and dilation
 ]
 
 
