@@ -171,6 +171,14 @@ def _expect(name, got, expected, what):
 _param_cache: dict = {}  # conv parameters as given (plain ints / tuples) -> parsed
 
 
+def _remember(cache: dict, key, value) -> None:
+    """cache[key] = value, the cache started over when full: a process that has seen many
+    signatures keeps its newest ones fast rather than none."""
+    if len(cache) >= 4096:
+        cache.clear()
+    cache[key] = value
+
+
 def _plain_param(v) -> bool:
     """An int or a tuple of ints, exactly (so True never hits the cache entry of 1)."""
     if type(v) is int:
@@ -199,8 +207,8 @@ def conv_params(kernel_size, stride, padding, dilation, groups):
         raise ShapeError(f"groups: expected >= 1; got {G}")
     parsed = (G, *_kernel(kernel_size, G), _pair("stride", stride, 1),
               _pair("padding", padding, 0), _pair("dilation", dilation, 1))
-    if key is not None and len(_param_cache) < 4096:
-        _param_cache[key] = parsed
+    if key is not None:
+        _remember(_param_cache, key, parsed)
     return parsed
 
 
@@ -238,8 +246,8 @@ def normalise(out, gamma, mu, c, kernel_size, stride, padding, dilation, groups)
         chk = _checked.get(key)
     if chk is None:
         chk = _check(out_i, gamma_i, mu_i, c_i, kernel_size, stride, padding, dilation, groups)
-        if key is not None and len(_checked) < 4096:
-            _checked[key] = chk
+        if key is not None:
+            _remember(_checked, key, chk)
     (G, kh, kw, sh, sw, ph, pw, dh, dw, B, Ci, Co, H, W, Ho, Wo, acc, spans) = chk
     if mu_i.kind == "cai":
         _check_streams((("out", out_i), ("gamma", gamma_i), ("mu", mu_i), ("c", c_i)))
@@ -499,9 +507,9 @@ def accumulate(out, gamma, mu, c, kernel_size, *, stride=1, padding=0, dilation=
         _increment_version(out)  # count the write, as torch's in-place ops do
     if not p.empty:
         b.accumulate(p)
-    if fast_key is not None and len(_bound) < 4096:
+    if fast_key is not None:
         # The call went through: later calls with this signature may skip the above.
-        _bound[fast_key] = _bind(b, p)
+        _remember(_bound, fast_key, _bind(b, p))
     return out
 
 

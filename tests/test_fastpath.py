@@ -266,6 +266,19 @@ def test_numpy_each_call_uses_its_own_arrays(np_spy, c_array):
     assert type(np_spy[0]) is tuple and np_spy[1:] == [True, True, True]
 
 
+def test_numpy_many_signatures_keep_the_newest_fast(np_spy):
+    # A process that has already seen the caches' worth of signatures still binds new ones.
+    _frontend._bound.update({("seen", i): None for i in range(4096)})
+    a = arrays(0)
+    want, start = reference_np(*a), a[0].copy()
+    del np_spy[:]
+    convcov.accumulate(*a, K, backend="numba")
+    a[0][...] = start
+    assert convcov.accumulate(*a, K, backend="numba") is a[0]
+    np.testing.assert_allclose(a[0], want, rtol=1e-5, atol=1e-5)
+    assert type(np_spy[0]) is tuple and np_spy[1] is True
+
+
 @pytest.mark.parametrize("which", ["gamma", "mu", "c"])
 @pytest.mark.parametrize("reverse", [False, True])
 def test_numpy_aliasing_is_checked_on_every_call(np_spy, which, reverse):
