@@ -48,10 +48,10 @@ def test_module_import_does_not_import_cupy():
 
 # ------------------------------------------------------------------ helpers
 #: The plans _force can force (every test of the host build takes each).
-PATHS = ["direct", "via-t", "direct-stream", "via-t-stream"]
+PATHS = ["direct", "via-t", "direct-stream", "via-t-stream", "cols-via-t"]
 
 
-@pytest.fixture(params=["direct", "direct-unsplit", "via-t", "via-t-stream"])
+@pytest.fixture(params=["direct", "direct-unsplit", "via-t", "via-t-stream", "cols-via-t"])
 def path(request, monkeypatch):
     """Force one source of S: gamma and mu (one launch, cc_fused) or T (cc_gsum, then
     cc_fused). "direct-unsplit" pretends the device has one small multiprocessor, so that
@@ -823,7 +823,7 @@ def test_cuda_source_on_host_random(host_kernels, monkeypatch, seed):
                                       gamma=[None, "full", "diag"][i(0, 2)],
                                       c_form=["number", "0d", "1d"][i(0, 2)], **dims)
     if i(0, 1):
-        _force(monkeypatch, ["direct", "via-t"][i(0, 1)])
+        _force(monkeypatch, ["direct", "via-t", "cols-via-t"][i(0, 2)])
     sms = [(4, 256), (1, 256), (132, 2048)][i(0, 2)]
     run = lambda: _run_on_host(host_kernels, _frontend.normalise(  # noqa: E731
         out, g, mu, c, k, conv["stride"], conv["padding"], conv["dilation"], conv["groups"]),
@@ -835,13 +835,17 @@ def test_cuda_source_on_host_random(host_kernels, monkeypatch, seed):
 # to the padding, and the literal loops: on the host build (CI) and on a GPU
 def _force(monkeypatch, forced):
     """Force a plan: the source of S (``_plan.direct_source``: "direct..." from gamma and
-    mu, "via-t..." from T) and whether S goes through memory ("...-stream": cc_fused
-    writes S, cc_stream updates out; ``_plan.stream_s``)."""
+    mu, "via-t..." from T), whether S goes through memory ("...-stream": cc_fused
+    writes S, cc_stream updates out; ``_plan.stream_s``) and whether S from T is formed
+    down columns ("cols-via-t": cc_cols; ``_plan.by_columns``)."""
     from convcov.backends import _plan
 
+    cols = forced.startswith("cols-")
+    forced = forced.removeprefix("cols-")
     direct, stream = forced.startswith("direct"), forced.endswith("-stream")
     monkeypatch.setattr(_plan, "direct_source", lambda *args: direct)
     monkeypatch.setattr(_plan, "stream_s", lambda *args: stream)
+    monkeypatch.setattr(_plan, "by_columns", lambda *args: cols)
 
 
 
@@ -849,9 +853,11 @@ def _took(names, forced, rows_contiguous=True):
     """The launches (_run_on_host's names) are the forced plan's (S through memory only
     where out's rows are contiguous)."""
     names = list(names)
+    cols = forced.startswith("cols-")
+    forced = forced.removeprefix("cols-")
     if forced.startswith("via-t"):
         assert names.pop(0).startswith("cc_gsum<"), names
-    assert names.pop(0).startswith("cc_fused<"), names
+    assert names.pop(0).startswith("cc_cols<" if cols else "cc_fused<"), names
     stream = forced.endswith("-stream") and rows_contiguous
     assert [n.split("<")[0] for n in names] == (["cc_stream"] if stream else []), names
 

@@ -25,6 +25,10 @@ MAX_GRID_X, MAX_GRID_YZ = 2**31 - 1, 65535  # CUDA's grid limits (the kernels lo
 # Below this many direct terms, one launch beats two: the problem is launch-bound (toy:
 # 54 -> 39 us on the H200).
 DIRECT_TERMS = 1 << 22
+# The column kernel for groups of at most COLUMNS_COG output channels (buys mb-dw 2556 ->
+# 2031 us on the H200; every layer with more channels a group, or S from gamma, loses).
+COLUMNS_COG = 1
+COLUMN_ROWS = (1, 2, 4, 8)
 # S through memory for groups of at least STREAM_COG output channels and S rows of at least
 # STREAM_ROW positions: buys big-f32 6878 -> 5913 us and big-f16 4277 -> 3508 us on the
 # H200; layers with fewer channels or shorter rows lose by it (stem-k5, dil2, mb-pw).
@@ -65,11 +69,26 @@ def stream_s(Cog, Ho, Wo) -> bool:
     return Cog >= STREAM_COG and Ho * Wo >= STREAM_ROW
 
 
-def tiling(B, G, Cog, Ho, Wo, V, capacity) -> Tiling:
+def by_columns(Cog) -> bool:
+    """Whether the fused kernel from T forms S down columns (``cc_cols``: V rows i1 of one
+    j1 a thread, coalesced loads of T, an element of out a lane) rather than along rows
+    (V consecutive positions a thread, out V elements a load): where a group has one
+    output channel (depthwise), so that forming S is the work."""
+    return Cog <= COLUMNS_COG
+
+
+def column_rows(Ho) -> int:
+    """V of the column kernel: rows i1 a thread, the most of COLUMN_ROWS that Ho fills."""
+    return max([v for v in COLUMN_ROWS if v <= Ho] or [1])
+
+
+def tiling(B, G, Cog, Ho, Wo, V, capacity, columns=False) -> Tiling:
     """The fused kernel's grid for a device holding ``capacity`` resident threads, each
-    thread ``V`` consecutive positions of a row of S (the written array's vector width)."""
+    thread ``V`` consecutive positions of a row of S (the written array's vector width),
+    or, ``columns``, ``V`` rows of one column."""
     HoWo = Ho * Wo
-    work = B * G * HoWo * _cdiv(HoWo, V)  # threads, one chunk a group
+    q_threads = _cdiv(Ho, V) * Wo if columns else _cdiv(HoWo, V)
+    work = B * G * HoWo * q_threads  # threads, one chunk a group
     # Split the channels when the threads alone would leave the device under-filled.
     nchunk = max(1, min(_cdiv(Cog, UNROLL), _cdiv(2 * capacity, work)))
     chunk = _cdiv(Cog, nchunk)

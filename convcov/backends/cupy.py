@@ -19,6 +19,9 @@ Design (docs/backends.md "The GPU design", docs/cupy.md). The operation is memor
   ``gamma`` and ``mu`` where that is fewer terms than T has elements) and adds
   ``c[c0] * S`` into ``out``'s channel-diagonal for a chunk of the group's output
   channels, V elements a load: S never reaches memory.
+* ``cc_cols`` (depthwise layers from T: ``_plan.by_columns``) is ``cc_fused`` with a
+  thread's V values of S down a column of S (V rows i1 of one j1), so that the warp's
+  loads of T are coalesced; out is updated an element a lane.
 * ``cc_stream`` (where many channels share each long row of S): ``cc_fused`` writes S,
   and this kernel streams ``out[b, c0] += c[c0] * S[b, g]`` in address order.
 
@@ -526,6 +529,19 @@ __global__ void GSUM_BOUNDS cc_gsum(const Args a) {
   }
 }
 
+// Work slice z of the fused kernels: its (b, g) and its chunk [c0_first, c0_end) of the
+// group's output channels.
+struct Slice { i64 b, g, bg, c0_first, c0_end; };
+__device__ __forceinline__ Slice slice_of(const Args& a, i64 z) {
+  Slice r;
+  i64 chunk;
+  divmod(z, a.nchunk, r.bg, chunk);
+  divmod(r.bg, a.G, r.b, r.g);
+  r.c0_first = r.g * a.Cog + chunk * a.chunk;
+  r.c0_end = lmin(r.c0_first + a.chunk, (r.g + 1) * a.Cog);
+  return r;
+}
+
 // ---------------------------------------------------------------- kernel 2: S and out
 // One thread: V consecutive output positions q = (i1, j1) of one p0 = (i0, j0) of one
 // (b, g), and a chunk of the group's output channels. It forms those V values of
@@ -563,11 +579,8 @@ __global__ void __launch_bounds__(THREADS, SRC_T ? FUSED_T_BLOCKS : 2) cc_fused(
   const int nterm = kh * kw * (SRC_T ? 1 : (int)a.Cg);
   const i64 nz = a.B * a.G * a.nchunk, nqv = HoWo / V, nw = HoWo * nqv;
   for (i64 z = blockIdx.z; z < nz; z += gridDim.z) {
-    i64 bg, chunk, b, g;
-    divmod(z, a.nchunk, bg, chunk);
-    divmod(bg, a.G, b, g);
-    const i64 c0_first = g * a.Cog + chunk * a.chunk;
-    const i64 c0_end = lmin(c0_first + a.chunk, (g + 1) * a.Cog);
+    const Slice sl = slice_of(a, z);
+    const i64 b = sl.b, g = sl.g, bg = sl.bg, c0_first = sl.c0_first, c0_end = sl.c0_end;
     for (i64 w = thread_index(); w < nw; w += grid_stride()) {
       i64 p64, qv;
       divmod(w, nqv, p64, qv);
@@ -665,6 +678,84 @@ __global__ void __launch_bounds__(THREADS, SRC_T ? FUSED_T_BLOCKS : 2) cc_fused(
             stv<To, V, 1>(op + (c0 + u) * a.so1, o);
           }
         }
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------- kernel 2': S by columns
+// cc_cols (depthwise layers, S from T: _plan.by_columns) is cc_fused from T with a thread's
+// V values of S down a column: S[b, g, p0, i1, j1] for one j1 and V consecutive rows i1,
+// the lanes of a warp along j1. A term's loads of T are then coalesced across the warp
+// (consecutive y1), each element a fixed step (sh rows of T) from the term's one address,
+// where cc_fused's V consecutive positions are V addresses a lane, V sectors apart across
+// the warp (its loads keep L1 busy: docs/cupy.md). out is read and written an element a
+// lane, coalesced along j1: with one output channel a group that costs little.
+template <typename T> __device__ __forceinline__ const T* opaque(const T* p) {
+  // p as a value the compiler cannot see through: it stays one register pair, and p + a
+  // step is one wide multiply-add, not p's index expression rebuilt for every element
+#ifdef __CUDA_ARCH__
+  asm("" : "+l"(p));
+#endif
+  return p;
+}
+template <typename To, typename Acc, int V>
+__global__ void __launch_bounds__(THREADS, FUSED_T_BLOCKS) cc_cols(const Args a) {
+  enum { KU = V >= 2 ? 16 / V : 8 };
+  const int H = (int)a.H, W = (int)a.W, Ho = (int)a.Ho, Wo = (int)a.Wo, HoWo = Ho * Wo;
+  const int kh = (int)a.kh, kw = (int)a.kw, sh = (int)a.sh, sw = (int)a.sw;
+  const int ph = (int)a.ph, pw = (int)a.pw, dh = (int)a.dh, dw = (int)a.dw;
+  const i64 HW = (i64)H * W, ostep = a.so4;
+  const int tstep = sh * W;  // between a thread's rows, in T
+  To* out = (To*)a.out;
+  const int nterm = kh * kw;
+  const int nib = (Ho + V - 1) / V;  // groups of V rows i1
+  const i64 nz = a.B * a.G * a.nchunk, nq = (i64)nib * Wo, nw = HoWo * nq;
+  for (i64 z = blockIdx.z; z < nz; z += gridDim.z) {
+    const Slice sl = slice_of(a, z);
+    const i64 b = sl.b, g = sl.g, bg = sl.bg, c0_first = sl.c0_first, c0_end = sl.c0_end;
+    for (i64 w = thread_index(); w < nw; w += grid_stride()) {
+      i64 p64, r64;
+      divmod(w, nq, p64, r64);
+      const int p0 = (int)p64, ib = (int)r64 / Wo, j1 = (int)r64 - ib * Wo;
+      const int i0 = p0 / Wo, j0 = p0 - i0 * Wo, i1 = ib * V, nv = Ho - i1 < V ? Ho - i1 : V;
+      const int x0b = i0 * sh - ph, y0b = j0 * sw - pw, x1b = i1 * sh - ph, y1b = j1 * sw - pw;
+      Acc s[V];
+#pragma unroll
+      for (int e = 0; e < V; ++e) s[e] = (Acc)0;
+      int ii = 0, ji = 0;  // the next term's kernel offset
+      for (int t0 = 0; t0 < nterm; t0 += KU) {
+        Acc tv[KU][V];
+#pragma unroll
+        for (int u = 0; u < KU; ++u) {
+          const int dx = ii * dh, dy = ji * dw, x0 = x0b + dx, y0 = y0b + dy;
+          const int x1 = x1b + dx, y1 = y1b + dy;
+          const bool ok = t0 + u < nterm && (unsigned)x0 < (unsigned)H &&
+                          (unsigned)y0 < (unsigned)W && (unsigned)y1 < (unsigned)W;
+          const Acc* tp = opaque((const Acc*)a.t + (ok ? (bg * HW + x0 * W + y0) * HW
+                                                         + (x1 * W + y1) : 0));
+#pragma unroll
+          for (int e = 0; e < V; ++e)
+            tv[u][e] = ok && e < nv && (unsigned)(x1 + e * sh) < (unsigned)H
+                       ? ldh<0>(tp + e * tstep) : (Acc)0;
+          if (++ji == kw) { ji = 0; ++ii; }
+        }
+#pragma unroll
+        for (int u = 0; u < KU; ++u)
+#pragma unroll
+          for (int e = 0; e < V; ++e) s[e] = aadd(s[e], tv[u][e]);
+      }
+      const i64 o = b * a.so0 + i0 * a.so2 + j0 * a.so3 + i1 * a.so4 + j1 * a.so5;
+      for (i64 c0 = c0_first; c0 < c0_end; ++c0) {
+        const Acc cv = c_of<Acc>(a, c0);
+        const i64 oc = o + c0 * a.so1;
+        Acc old[V];
+#pragma unroll
+        for (int e = 0; e < V; ++e)
+          old[e] = e < nv ? Ld<Acc, To>::one_stream((const void*)a.src, oc + e * ostep, 0) : (Acc)0;
+#pragma unroll
+        for (int e = 0; e < V; ++e)
+          if (e < nv) Ld<Acc, To>::put(out, oc + e * ostep, 0, afma(cv, s[e], old[e]));
       }
     }
   }
@@ -906,6 +997,7 @@ def _family_names(family):
             + [f"cc_gsum<{cxx}, anyt, {acc}, 1>"]
             + [f"cc_fused<{cxx}, {tg}, {acc}, {v}, {src_t}>" for v in _widths(size)
                for tg, src_t in ((cxx, 0), ("anyt", 0), (cxx, 1))]
+            + [f"cc_cols<{cxx}, {acc}, {v}>" for v in _plan.COLUMN_ROWS]
             + [f"cc_stream<{cxx}, {acc}, {v}>" for v in _widths(size)])
 
 
@@ -1187,10 +1279,15 @@ class CupyBackend(Backend):
                                    ("fast", o_cxx, acc_cxx), 0, grid=grid, block=block,
                                    nseg=rows, seg_len=seg))
             return _Plan(launches, B * G * HoWo * HoWo, t_items, acc)
-        t = _plan.tiling(B, G, Cog, Ho, Wo, v, capacity)
         tg = o_cxx if src_t or stored == {oi.dtype} else "anyt"
-        launches.append(launch(f"cc_fused<{o_cxx}, {tg}, {acc_cxx}, {v}, {src_t}>",
-                               ("fast", o_cxx, acc_cxx), 0, grid=t.grid, block=t.block,
+        if src_t and _plan.by_columns(Cog):
+            vc = _plan.column_rows(Ho)
+            t = _plan.tiling(B, G, Cog, Ho, Wo, vc, capacity, columns=True)
+            name = f"cc_cols<{o_cxx}, {acc_cxx}, {vc}>"
+        else:
+            t = _plan.tiling(B, G, Cog, Ho, Wo, v, capacity)
+            name = f"cc_fused<{o_cxx}, {tg}, {acc_cxx}, {v}, {src_t}>"
+        launches.append(launch(name, ("fast", o_cxx, acc_cxx), 0, grid=t.grid, block=t.block,
                                nchunk=t.nchunk, chunk=t.chunk))
         return _Plan(launches, 0, t_items, acc)
 
