@@ -54,8 +54,8 @@ PATHS = ["direct", "via-t", "direct-stream", "via-t-stream", "cols-via-t"]
 @pytest.fixture(params=["direct", "direct-unsplit", "via-t", "via-t-stream", "cols-via-t"])
 def path(request, monkeypatch):
     """Force one source of S: gamma and mu (one launch, cc_fused) or T (cc_gsum, then
-    cc_fused). "direct-unsplit" pretends the device has one small multiprocessor, so that
-    no group's output channels are split into chunks."""
+    cc_fused, or cc_cols for "cols-via-t"). "direct-unsplit" pretends the device has one
+    small multiprocessor, so that no group's output channels are split into chunks."""
     _force(monkeypatch, request.param)
     if request.param == "direct-unsplit":
         monkeypatch.setattr(BACKEND, "_sm_threads", lambda dev: (1, 256))
