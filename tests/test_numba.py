@@ -450,6 +450,32 @@ def test_scalar_c_beyond_float32_does_not_make_nan():
     assert np.isfinite(out).all() and (out > 0).all()
 
 
+@pytest.mark.parametrize("direct", [False, True], ids=["M", "direct"])
+@pytest.mark.parametrize("stride", [1, 2])
+def test_non_finite_values_next_to_the_padding(monkeypatch, direct, stride):
+    """A term with a position in the padding is absent, not 0 * Inf = NaN: Inf and NaN on
+    the border of mu and gamma give Inf and NaN exactly where the reference has them (the
+    M plan's padded planes and the direct plan's clipped windows)."""
+    from convcov import _frontend
+
+    monkeypatch.setattr(nbb, "DIRECT_COST", 0 if direct else 10**9)
+    monkeypatch.setattr(_frontend, "_bound", {})
+    rng = np.random.default_rng(8)
+    mu = rng.random((1, 2, 5, 6))
+    gamma = rng.random((1, 2, 5, 6, 5, 6)) * 0.1
+    mu[0, 0, 0, 0] = np.inf  # a corner: its terms with the padding are absent
+    gamma[0, 1, 2, 2, 0, 0] = np.nan  # position pairs that both strides reach
+    gamma[0, 0, 4, 4, 2, 2] = -np.inf
+    Ho, Wo = (5 + 2 - 3) // stride + 1, (6 + 2 - 3) // stride + 1
+    out = rng.random((1, 2, Ho, Wo, Ho, Wo))
+    kw = dict(stride=stride, padding=1)
+    ref = convcov.accumulate(out.copy(), gamma, mu, 0.5, 3, backend="numpy", **kw)
+    got = convcov.accumulate(out.copy(), gamma, mu, 0.5, 3, backend="numba", **kw)
+    assert np.isinf(ref).any() and np.isnan(ref).any() and np.isfinite(ref).any()
+    # assert_allclose compares the non-finite values exactly
+    np.testing.assert_allclose(got, ref, rtol=1e-12, atol=0)
+
+
 def test_one_compiled_kernel_per_accumulation_dtype():
     """Shapes, layouts, strides and input dtypes must not trigger new compiles."""
     rng = np.random.default_rng(13)

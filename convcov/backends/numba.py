@@ -16,7 +16,8 @@ How it computes (docs/numba.md has the design notes and the measurements):
   element is read once, in its contiguous ``(x1, y1)`` plane, four channels per pass, and
   summed into a cache-sized buffer. Phase 2 is the kh x kw box filter: the row is the sum
   of the ``M[x0, y0]`` windows of the kernel offsets whose two positions both lie inside
-  the input.
+  the input. With unit column stride M's planes hold the padding as zeros, so that every
+  window is one contiguous run, summed four windows a pass.
 * The direct plan, with no M: phase 2 alone, each row summed straight from the strided
   windows of gamma's channel-diagonal planes and of mu (four channels per pass). Its only
   temporaries are the per-thread rows. It reads ``kh*kw*Cg*(Ho*Wo)**2`` terms per pair
@@ -776,6 +777,35 @@ def _add_window_quad_any(dst, pitch, code, g_addr, g_at, g_c, gsi, gsj, m_addr, 
 
 
 @njit(**_inner)
+def _sum_runs(dst, src, at, n, run):
+    """``dst[e] = sum over w < n of src[at[w] + e]`` for ``e < run``: the M plan's box
+    filter, four windows a pass, so that ``dst`` is loaded and stored once per four."""
+    r = n % 4 if n % 4 else min(n, 4)  # the first pass: the remainder, or four
+    s0, s1, s2, s3 = (_offset(src, at[0]), _offset(src, at[1]), _offset(src, at[2]),
+                      _offset(src, at[3]))
+    if r == 0:
+        for e in range(run):
+            dst[e] = 0
+    elif r == 1:
+        for e in range(run):
+            dst[e] = s0[e]
+    elif r == 2:
+        for e in range(run):
+            dst[e] = s0[e] + s1[e]
+    elif r == 3:
+        for e in range(run):
+            dst[e] = s0[e] + s1[e] + s2[e]
+    else:
+        for e in range(run):
+            dst[e] = s0[e] + s1[e] + s2[e] + s3[e]
+    for w in range(r, n, 4):
+        s0, s1, s2, s3 = (_offset(src, at[w]), _offset(src, at[w + 1]),
+                          _offset(src, at[w + 2]), _offset(src, at[w + 3]))
+        for e in range(run):
+            dst[e] += s0[e] + s1[e] + s2[e] + s3[e]
+
+
+@njit(**_inner)
 def _itemsize(code):
     return 2 if code == F16 or code == BF16 else (4 if code == F32 else 8)
 
@@ -859,6 +889,10 @@ def _kernel(prm, c_value, M):
     with_gamma = g_code != ABSENT
     same_code = not with_gamma or g_code == m_code
     Cg, Cog, HW, HoWo = Ci // G, Co // G, H * W, Ho * Wo
+    # M's (x1, y1) planes carry the padding as zeros, Hp x Wp: every window of phase 2 then
+    # lies inside its plane and is one run, and adding a zero is skipping the term exactly
+    Hp, Wp = (H + 2 * ph, W + 2 * pw) if sw == 1 else (H, W)
+    PL = Hp * Wp
     for first in range(0, B * G, pairs):
         n = min(pairs, B * G - first)
 
@@ -873,8 +907,11 @@ def _kernel(prm, c_value, M):
             # planes are contiguous: the common case.
             quads = ((not with_gamma or (g_code == m_code and g_y1 == 1 and g_x1 == W))
                      and m_y == 1 and m_x == W)
+            # the row M[t, x0, y0] is summed dense, in place where there is no padding
+            dense_buf = np.empty(HW if PL != HW else 1, M.dtype)
             for y0 in range(W):
-                dst = _offset(_data(M), (task * W + y0) * HW)  # the row M[t, x0, y0]
+                plane = _offset(_data(M), (task * W + y0) * PL)
+                dst = plane if PL == HW else _data(dense_buf)
                 for e in range(HW):
                     dst[e] = 0
                 g_at = b * g_b + x0 * g_x0 + y0 * g_y0  # + ci * g_c: gamma[b, ci, x0, y0, (ci)]
@@ -919,27 +956,40 @@ def _kernel(prm, c_value, M):
                                                g_y1, H, W, _like(1.0, M))
                             _add_plane_any(dst, m_addr, m_code, m_off, m_x, m_y, H, W, mu0)
                     ci += step
+                if PL != HW:  # into the padded plane, zeros around, each element once
+                    for e in range(ph * Wp):
+                        plane[e] = plane[PL - 1 - e] = 0
+                    for x1 in range(H):
+                        row = _offset(plane, (x1 + ph) * Wp)
+                        for y1 in range(pw):
+                            row[y1] = row[Wp - 1 - y1] = 0
+                        for y1 in range(W):
+                            row[pw + y1] = dst[x1 * W + y1]
+            dense_buf[0] = 0
 
         # Phase 2: S rows by the box filter over (ii, ji), added into every c0 of g.
         for task in prange(n * Ho):
             t, i0 = task // Ho, task % Ho
             b, g = (first + t) // G, (first + t) % G
             # Thread-local buffers. With sw == 1 the M plan's box filter works on rows of
-            # pitch P = sh * W, the distance in M between rows x1 and x1 + sh: then an S
-            # position (i1, j1) and the M position it reads differ by a constant for each
-            # (ii, ji), and a whole window is one contiguous run (the columns past Wo
-            # collect harmless garbage). Padding can make Wo > W: then rows of pitch
-            # sh * W would overlap, and the window is added row by row instead.
-            flat = not direct and sw == 1 and sh * W >= Wo
-            P = sh * W if flat else Wo
+            # pitch P = sh * Wp, the distance in M's padded plane between rows x1 and
+            # x1 + sh: then an S position (i1, j1) and the M position it reads differ by a
+            # constant for each (ii, ji), and a whole window is one contiguous run (the
+            # columns past Wo collect harmless garbage).
+            flat = not direct and sw == 1
+            P = sh * Wp if flat else Wo
             box_buf = np.empty(Ho * P, M.dtype)
             srow_buf = np.empty(HoWo, M.dtype)
+            at_buf = np.empty(kh * kw + 3, np.int64)  # the M plan's windows of one S row
             Mp = _data(M)
             box = _data(box_buf)
+            at = _data(at_buf)
             srow = box if P == Wo else _data(srow_buf)
             for j0 in range(Wo):
-                for e in range(Ho * P):
-                    box[e] = 0
+                if not flat:
+                    for e in range(HoWo):
+                        box[e] = 0
+                n_at = 0
                 for ii in range(kh):
                     x0 = i0 * sh + ii * dh - ph
                     if x0 < 0 or x0 >= H:
@@ -996,17 +1046,16 @@ def _kernel(prm, c_value, M):
                                                     j1_hi, Wo, 1, mu0)
                                 ci += step
                             continue
-                        # M[t, x0, y0, x1, y1]
-                        at = ((t * H + x0) * W + y0) * HW + (ii * dh - ph) * W + ji * dw - pw
-                        if flat and j1_lo == 0 and j1_hi == Wo:
-                            run = (i1_hi - i1_lo - 1) * P + Wo
-                            dst = _offset(box, i1_lo * P)
-                            src = _offset(Mp, at + i1_lo * P)
-                            for e in range(run):
-                                dst[e] += src[e]
-                        else:  # a window cut by the padding: row by row
-                            _add_window_keep(box, Mp, at, sh * W, sw, i1_lo, i1_hi, j1_lo,
-                                             j1_hi, P, 1, _like(1.0, M))
+                        t_at = ((t * H + x0) * W + y0) * PL
+                        if flat:  # M[t, x0, y0, x1 + ph, y1 + pw] at i1 = j1 = 0, summed below
+                            at[n_at] = t_at + ii * dh * Wp + ji * dw
+                            n_at += 1
+                        else:  # M[t, x0, y0, x1, y1], strided: row by row
+                            _add_window_keep(box, Mp, t_at + (ii * dh - ph) * W + ji * dw - pw,
+                                             sh * W, sw, i1_lo, i1_hi, j1_lo, j1_hi, Wo, 1,
+                                             _like(1.0, M))
+                if flat:
+                    _sum_runs(box, Mp, at, n_at, (Ho - 1) * P + Wo)
                 if P != Wo:
                     for i1 in range(Ho):
                         for j1 in range(Wo):
@@ -1036,6 +1085,7 @@ def _kernel(prm, c_value, M):
             # Raw pointers do not hold a reference: use the buffers last, here, so that
             # Numba cannot free them while the pointers are in use.
             box_buf[0] = srow_buf[0] = 0
+            at_buf[0] = 0
 
 
 def _renamed(f, name):
@@ -1424,7 +1474,8 @@ def _params(p):
         g_ahead = (p.kh * p.kw * Cg * p.Ho * p.Wo if direct else p.H * p.W) * isz
         pf = (max(1, PREFETCH_BYTES // g_ahead),
               max(1, PREFETCH_BYTES // (p.Ho * p.Wo * _ITEMSIZE[o.dtype])))
-    plane = 0 if direct else (p.H * p.W) ** 2
+    pad = (p.ph, p.pw) if p.sw == 1 else (0, 0)  # M's planes padded, as in _kernel
+    plane = 0 if direct else p.H * p.W * (p.H + 2 * pad[0]) * (p.W + 2 * pad[1])
     acc_size = 4 if acc is np.float32 else 8
     pairs = max(1, min(p.B * p.G, CHUNK_BYTES // max(plane * acc_size, 1)))
     prm = np.array((p.B, p.Ci, p.Co, p.G, p.H, p.W, p.Ho, p.Wo, p.kh, p.kw, p.sh, p.sw,
