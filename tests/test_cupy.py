@@ -48,14 +48,15 @@ def test_module_import_does_not_import_cupy():
 
 # ------------------------------------------------------------------ helpers
 #: The plans _force can force (every test of the host build takes each).
-PATHS = ["direct", "via-t", "direct-stream", "via-t-stream", "cols-via-t"]
+PATHS = ["direct", "via-t", "direct-stream", "via-t-stream", "planes"]
 
 
-@pytest.fixture(params=["direct", "direct-unsplit", "via-t", "via-t-stream", "cols-via-t"])
+@pytest.fixture(params=["direct", "direct-unsplit", "via-t", "via-t-stream", "planes"])
 def path(request, monkeypatch):
-    """Force one source of S: gamma and mu (one launch, cc_fused) or T (cc_gsum, then
-    cc_fused, or cc_cols for "cols-via-t"). "direct-unsplit" pretends the device has one
-    small multiprocessor, so that no group's output channels are split into chunks."""
+    """Force one source of S: gamma and mu (one launch, cc_fused), T (cc_gsum, then
+    cc_fused) or the planes of P in shared memory ("planes": cc_planes, one launch).
+    "direct-unsplit" pretends the device has one small multiprocessor, so that no group's
+    output channels are split into chunks."""
     _force(monkeypatch, request.param)
     if request.param == "direct-unsplit":
         monkeypatch.setattr(BACKEND, "_sm_threads", lambda dev: (1, 256))
@@ -598,7 +599,7 @@ class _HostKernel:
         self.name, self.host_kernels, self.launched, self.watch = (name, host_kernels,
                                                                     launched, watch)
 
-    def __call__(self, grid, block, args):
+    def __call__(self, grid, block, args, shared_mem=0):
         import ctypes
 
         from convcov.backends import cupy as mod
@@ -607,6 +608,7 @@ class _HostKernel:
         assert isinstance(a, np.ndarray) and a.shape == (1,) and a.dtype == mod._ARGS
         assert a.itemsize == 8 * len(mod._FIELDS) and np.prod(block) == 256
         assert grid[0] < 2**31 and all(n <= 65535 for n in grid[1:])  # CUDA's limits
+        assert shared_mem <= 48 * 1024
         self.launched.append((self.name, self.watch()))
         lib, index = self.host_kernels
         g = np.array([*grid, *(1,) * (3 - len(grid)), *block, *(1,) * (2 - len(block))],
@@ -760,7 +762,7 @@ def test_bound_launcher_on_host(host_kernels, monkeypatch, forced, c_form):
         assert state == {"device": 0, "stream": None}
         _took([name for name, _ in launched], forced)
         assert all(at == (1, 71) for _, at in launched), launched
-        if forced == "direct":
+        if forced in ("direct", "planes"):  # no scratch
             assert not taken
         else:
             ((nbytes, dev, stream, owner),) = taken
@@ -823,7 +825,7 @@ def test_cuda_source_on_host_random(host_kernels, monkeypatch, seed):
                                       gamma=[None, "full", "diag"][i(0, 2)],
                                       c_form=["number", "0d", "1d"][i(0, 2)], **dims)
     if i(0, 1):
-        _force(monkeypatch, ["direct", "via-t", "cols-via-t"][i(0, 2)])
+        _force(monkeypatch, ["direct", "via-t", "planes"][i(0, 2)])
     sms = [(4, 256), (1, 256), (132, 2048)][i(0, 2)]
     run = lambda: _run_on_host(host_kernels, _frontend.normalise(  # noqa: E731
         out, g, mu, c, k, conv["stride"], conv["padding"], conv["dilation"], conv["groups"]),
@@ -835,29 +837,27 @@ def test_cuda_source_on_host_random(host_kernels, monkeypatch, seed):
 # to the padding, and the literal loops: on the host build (CI) and on a GPU
 def _force(monkeypatch, forced):
     """Force a plan: the source of S (``_plan.direct_source``: "direct..." from gamma and
-    mu, "via-t..." from T), whether S goes through memory ("...-stream": cc_fused
-    writes S, cc_stream updates out; ``_plan.stream_s``) and whether S from T is formed
-    down columns ("cols-via-t": cc_cols; ``_plan.by_columns``)."""
+    mu, "via-t..." from T) and whether S goes through memory ("...-stream": cc_fused
+    writes S, cc_stream updates out; ``_plan.stream_s``); or "planes", where S would come
+    from T: cc_planes (``_plan.by_planes``)."""
     from convcov.backends import _plan
 
-    cols = forced.startswith("cols-")
-    forced = forced.removeprefix("cols-")
     direct, stream = forced.startswith("direct"), forced.endswith("-stream")
     monkeypatch.setattr(_plan, "direct_source", lambda *args: direct)
     monkeypatch.setattr(_plan, "stream_s", lambda *args: stream)
-    monkeypatch.setattr(_plan, "by_columns", lambda *args: cols)
-
+    monkeypatch.setattr(_plan, "by_planes", lambda *args: forced == "planes")
 
 
 def _took(names, forced, rows_contiguous=True):
     """The launches (_run_on_host's names) are the forced plan's (S through memory only
     where out's rows are contiguous)."""
     names = list(names)
-    cols = forced.startswith("cols-")
-    forced = forced.removeprefix("cols-")
+    if forced == "planes":
+        assert [n.split("<")[0] for n in names] == ["cc_planes"], names
+        return
     if forced.startswith("via-t"):
         assert names.pop(0).startswith("cc_gsum<"), names
-    assert names.pop(0).startswith("cc_cols<" if cols else "cc_fused<"), names
+    assert names.pop(0).startswith("cc_fused<"), names
     stream = forced.endswith("-stream") and rows_contiguous
     assert [n.split("<")[0] for n in names] == (["cc_stream"] if stream else []), names
 

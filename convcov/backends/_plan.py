@@ -25,14 +25,14 @@ MAX_GRID_X, MAX_GRID_YZ = 2**31 - 1, 65535  # CUDA's grid limits (the kernels lo
 # Below this many direct terms, one launch beats two: the problem is launch-bound (toy:
 # 54 -> 39 us on the H200).
 DIRECT_TERMS = 1 << 22
-# The column kernel for groups of at most COLUMNS_COG output channels (buys mb-dw 2556 ->
-# 2031 us on the H200; every layer with more channels a group, or S from gamma, loses).
-COLUMNS_COG = 1
-COLUMN_ROWS = (1, 2, 4, 8)
+# S through shared memory (cc_planes) in place of T for groups of at most PLANES_COG output
+# channels (buys mb-dw 2060 -> 1575 us on the H200, against S from T down columns).
+PLANES_COG = 1
 # S through memory for groups of at least STREAM_COG output channels and S rows of at least
 # STREAM_ROW positions: buys big-f32 6878 -> 5913 us and big-f16 4277 -> 3508 us on the
 # H200; layers with fewer channels or shorter rows lose by it (stem-k5, dil2, mb-pw).
 STREAM_COG, STREAM_ROW = 64, 512
+SMEM_MAX = 48 * 1024  # dynamic shared memory a block may take without opting in (CUDA)
 
 
 @dataclass(frozen=True)
@@ -69,26 +69,11 @@ def stream_s(Cog, Ho, Wo) -> bool:
     return Cog >= STREAM_COG and Ho * Wo >= STREAM_ROW
 
 
-def by_columns(Cog) -> bool:
-    """Whether the fused kernel from T forms S down columns (``cc_cols``: V rows i1 of one
-    j1 a thread, coalesced loads of T, an element of out a lane) rather than along rows
-    (V consecutive positions a thread, out V elements a load): where a group has one
-    output channel (depthwise), so that forming S is the work."""
-    return Cog <= COLUMNS_COG
-
-
-def column_rows(Ho) -> int:
-    """V of the column kernel: rows i1 a thread, the most of COLUMN_ROWS that Ho fills."""
-    return max([v for v in COLUMN_ROWS if v <= Ho] or [1])
-
-
-def tiling(B, G, Cog, Ho, Wo, V, capacity, columns=False) -> Tiling:
+def tiling(B, G, Cog, Ho, Wo, V, capacity) -> Tiling:
     """The fused kernel's grid for a device holding ``capacity`` resident threads, each
-    thread ``V`` consecutive positions of a row of S (the written array's vector width),
-    or, ``columns``, ``V`` rows of one column."""
+    thread ``V`` consecutive positions of a row of S (the written array's vector width)."""
     HoWo = Ho * Wo
-    q_threads = _cdiv(Ho, V) * Wo if columns else _cdiv(HoWo, V)
-    work = B * G * HoWo * q_threads  # threads, one chunk a group
+    work = B * G * HoWo * _cdiv(HoWo, V)  # threads, one chunk a group
     # Split the channels when the threads alone would leave the device under-filled.
     nchunk = max(1, min(_cdiv(Cog, UNROLL), _cdiv(2 * capacity, work)))
     chunk = _cdiv(Cog, nchunk)
@@ -108,3 +93,58 @@ def stream_grid(planes, rows, vectors):
     grid = (min(_cdiv(vectors, bx * STREAM_U), MAX_GRID_X), min(_cdiv(rows, by), MAX_GRID_YZ),
             min(planes, MAX_GRID_YZ))
     return grid, (bx, by)
+
+
+@dataclass(frozen=True)
+class Planes:
+    """cc_planes' sizes for one call: ``V`` elements of S along j1 a thread, ``VG``
+    elements of gamma along y1 a load, ``runp`` planes of S a block (one run along a
+    diagonal ``i1 - i0``), ``wq`` columns a row of P in shared memory, ``smem`` bytes of
+    it a block (the run's planes of P), the grid, and the channel chunks."""
+
+    V: int
+    VG: int
+    runp: int
+    wq: int
+    smem: int
+    grid: tuple
+    nchunk: int
+    chunk: int
+
+
+def planes(B, G, Cog, W, Ho, Wo, kh, kw, sh, sw, pw, dh, dw, v_row, vg, acc_size, capacity):
+    """cc_planes' sizes, or None where one run's planes of P do not fit in shared memory.
+
+    ``v_row``: the widest vector along a row of out's (i1, j1) plane; ``vg``: along a row
+    of gamma's and mu's (x1, y1) plane. A block takes a whole diagonal of S (``Ho``
+    planes of ``Wo * Wo / V`` threads each, V narrowed until they fill the block), fewer
+    planes where their ``sh*(R-1) + dh*(kh-1) + 1`` planes of P exceed SMEM_MAX."""
+    Wp = sw * (Wo - 1) + dw * (kw - 1) + 1  # the columns y + pw a row of S spans
+    wq = max(Wp, pw + _cdiv(min(W, Wp - pw), vg) * vg)
+    V = v_row
+    while V > 1 and Ho * (Wo * Wo // V) < THREADS:
+        V //= 2
+
+    def smem(r):
+        return (sh * (r - 1) + dh * (kh - 1) + 1) * Wp * wq * acc_size
+
+    # A whole diagonal a block: mb-dw 1861 -> 1575 us on the H200 against a block's worth.
+    R = Ho
+    while R > 1 and smem(R) > SMEM_MAX:
+        R -= 1
+    if smem(R) > SMEM_MAX:
+        return None
+    nx = (2 * Ho - 1) * _cdiv(Ho, R)
+    # Split the channels when the blocks alone would leave the device under-filled.
+    nchunk = max(1, min(_cdiv(Cog, UNROLL), _cdiv(2 * capacity, B * G * nx * THREADS)))
+    chunk = _cdiv(Cog, nchunk)
+    nchunk = _cdiv(Cog, chunk)
+    grid = (min(nx, MAX_GRID_X), 1, min(B * G * nchunk, MAX_GRID_YZ))
+    return Planes(V, vg, R, wq, smem(R), grid, nchunk, chunk)
+
+
+def by_planes(Cog) -> bool:
+    """Whether S, where it would be formed from T, is formed by cc_planes instead (where
+    its planes fit): where a group has one output channel (depthwise), so that forming S
+    is the work and T's round trip through memory costs as much as out's."""
+    return Cog <= PLANES_COG

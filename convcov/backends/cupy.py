@@ -19,9 +19,10 @@ Design (docs/backends.md "The GPU design", docs/cupy.md). The operation is memor
   ``gamma`` and ``mu`` where that is fewer terms than T has elements) and adds
   ``c[c0] * S`` into ``out``'s channel-diagonal for a chunk of the group's output
   channels, V elements a load: S never reaches memory.
-* ``cc_cols`` (depthwise layers from T: ``_plan.by_columns``) is ``cc_fused`` with a
-  thread's V values of S down a column of S (V rows i1 of one j1), so that the warp's
-  loads of T are coalesced; out is updated an element a lane.
+* ``cc_planes`` (depthwise layers, in place of T: ``_plan.by_planes``): a block sums the
+  planes ``P[x0, :, x1, :]`` of gamma + mu (x) mu that a run of planes of S along one
+  diagonal ``i1 - i0`` reads into shared memory, once each, then forms those planes of S
+  from there and adds ``c[c0] * S`` into out: one launch, no T.
 * ``cc_stream`` (where many channels share each long row of S): ``cc_fused`` writes S,
   and this kernel streams ``out[b, c0] += c[c0] * S[b, g]`` in address order.
 
@@ -46,8 +47,9 @@ row a launch), writes its addresses in, and launches each kernel with the public
 ``cupy.RawKernel.__call__``, the row passed as a one-element NumPy array of the struct's
 dtype (``_ARGS``: CuPy's documented way to pass a custom structure by value). The launches
 go on CuPy's current stream, which is the launch stream itself for CuPy arrays and a CuPy
-stream object made current around them for any other (``_stream_object``). No shared
-memory is used: every tile's reuse is served by L1/L2. Repeated small calls are the
+stream object made current around them for any other (``_stream_object``). Only
+``cc_planes`` uses shared memory (dynamic, at most 48 KiB a block); the other kernels'
+reuse is served by L1/L2. Repeated small calls are the
 user's to capture into a CUDA graph (``torch.cuda.graphs``, or
 ``torch.compile(mode="reduce-overhead")``): a launch on torch's current stream with
 scratch from torch's allocator and no host wait is captured like any torch kernel.
@@ -96,6 +98,7 @@ _FIELDS = (
     "to_s",                                    # cc_fused writes S (c = 1), not out
     "nseg", "seg_len",                         # cc_stream: rows of out[b, c0], their length
     "n",                                       # work items of this launch
+    "runp", "wq",                              # cc_planes: planes of S a block, P's row
     # the backward (patch_moment_vjp): grad_S in; grad_gamma, grad_mu out; D, link: scratch
     "gs", "gg", "gm", "dsc", "lnk",            # device addresses (0 when absent)
     "ss0", "ss1", "ss2", "ss3", "ss4", "ss5",  # grad_S (b, g, i0, j0, i1, j1)
@@ -562,6 +565,30 @@ __device__ __forceinline__ Slice slice_of(const Args& a, i64 z) {
 // Channels whose loads of out are in flight together: 8 (at 2 blocks a multiprocessor, for
 // its registers) was 1-30% slower on every layer of the suite (H200).
 #define UNROLL_OUT 4
+// out[op + c0 * so1] = src[os + c0 * so1] + c[c0] * s for the channels [c0_first, c0_end),
+// V elements a load and a store, UNROLL_OUT channels' loads in flight before their stores.
+template <typename To, typename Acc, int V>
+__device__ __forceinline__ void add_cs(const Args& a, To* op, const To* os, i64 c0_first,
+                                       i64 c0_end, const Acc (&s)[V]) {
+  for (i64 c0 = c0_first; c0 < c0_end; c0 += UNROLL_OUT) {
+    Raw<To, V> old[UNROLL_OUT];
+#pragma unroll
+    for (int u = 0; u < UNROLL_OUT; ++u)
+      if (c0 + u < c0_end) ldraw<To, V, 1>(os + (c0 + u) * a.so1, old[u]);
+#pragma unroll
+    for (int u = 0; u < UNROLL_OUT; ++u) {
+      if (c0 + u < c0_end) {
+        const Acc cv = c_of<Acc>(a, c0 + u);
+        To o[V];
+        unpack<To, V>(old[u], o);
+#pragma unroll
+        for (int e = 0; e < V; ++e) Cv<Acc>::to(o[e], afma(cv, s[e], Cv<Acc>::from(o[e])));
+        stv<To, V, 1>(op + (c0 + u) * a.so1, o);
+      }
+    }
+  }
+}
+
 // Blocks a multiprocessor from T (at most 80 registers; the direct source: 2, 128): 4 spills.
 #define FUSED_T_BLOCKS 3
 template <typename To, typename Tg, typename Acc, int V, int SRC_T>
@@ -662,100 +689,126 @@ __global__ void __launch_bounds__(THREADS, SRC_T ? FUSED_T_BLOCKS : 2) cc_fused(
         stv<To, V, 0>(op + c0_first * a.so1, o);
         continue;
       }
-      for (i64 c0 = c0_first; c0 < c0_end; c0 += UNROLL_OUT) {
-        Raw<To, V> old[UNROLL_OUT];
-#pragma unroll
-        for (int u = 0; u < UNROLL_OUT; ++u)
-          if (c0 + u < c0_end) ldraw<To, V, 1>(os + (c0 + u) * a.so1, old[u]);
-#pragma unroll
-        for (int u = 0; u < UNROLL_OUT; ++u) {
-          if (c0 + u < c0_end) {
-            const Acc cv = c_of<Acc>(a, c0 + u);
-            To o[V];
-            unpack<To, V>(old[u], o);
-#pragma unroll
-            for (int e = 0; e < V; ++e) Cv<Acc>::to(o[e], afma(cv, s[e], Cv<Acc>::from(o[e])));
-            stv<To, V, 1>(op + (c0 + u) * a.so1, o);
-          }
-        }
-      }
+      add_cs<To, Acc, V>(a, op, os, c0_first, c0_end, s);
     }
   }
 }
 
-// ---------------------------------------------------------------- kernel 2': S by columns
-// cc_cols (depthwise layers, S from T: _plan.by_columns) is cc_fused from T with a thread's
-// V values of S down a column: S[b, g, p0, i1, j1] for one j1 and V consecutive rows i1,
-// the lanes of a warp along j1. A term's loads of T are then coalesced across the warp
-// (consecutive y1), each element a fixed step (sh rows of T) from the term's one address,
-// where cc_fused's V consecutive positions are V addresses a lane, V sectors apart across
-// the warp (its loads keep L1 busy: docs/cupy.md). out is read and written an element a
-// lane, coalesced along j1: with one output channel a group that costs little.
-template <typename T> __device__ __forceinline__ const T* opaque(const T* p) {
-  // p as a value the compiler cannot see through: it stays one register pair, and p + a
-  // step is one wide multiply-add, not p's index expression rebuilt for every element
+// ---------------------------------------------------------------- kernel 2': S by planes
+// cc_planes forms S from gamma and mu through shared memory, with no T. A plane of S,
+// S[b, g, i0, :, i1, :], is the sum over ii of a diagonal kw-term box filter of one plane
+// of the channel sum P[x0, :, x1, :] = sum over ci of the group of gamma + mu (x) mu, at
+// x0 = i0*sh + ii*dh - ph, x1 = x0 + (i1 - i0)*sh. A block takes a run of R consecutive
+// planes of S along one diagonal i1 - i0 (_plan.planes): the U = sh*(R-1) + dh*(kh-1) + 1
+// planes of P they read are summed once each, straight from gamma and mu, VG elements
+// along y1 a load, into shared memory (a plane: Wp rows y0 + pw, Wq columns y1 + pw; what
+// lies in the padding stays zero from the block's start, so an absent term adds nothing
+// and NaN/Inf in mu never meets a padded zero). Each element of S is then kh*kw reads of
+// shared memory, and c[c0] * S goes into out for the chunk's channels (add_cs). gamma is
+// read U / R times (the overlap from L2, where the neighbouring run read it), and nothing
+// the size of T or S goes through memory. Grid: x over (diagonal, run), z over
+// (b, g, chunk); both loop.
 #ifdef __CUDA_ARCH__
-  asm("" : "+l"(p));
+extern __shared__ __align__(16) unsigned char planes_smem[];
+#define BLOCK_SYNC() __syncthreads()
+#define COOP_FIRST ((int)threadIdx.x)
+#define COOP_STEP ((int)blockDim.x)
+#else
+// The host build runs a block's threads in turn: each fills all of P (the same values each
+// time), then forms its own elements.
+static unsigned char planes_smem[1 << 16];
+#define BLOCK_SYNC()
+#define COOP_FIRST 0
+#define COOP_STEP 1
 #endif
-  return p;
-}
-template <typename To, typename Acc, int V>
-__global__ void __launch_bounds__(THREADS, FUSED_T_BLOCKS) cc_cols(const Args a) {
-  enum { KU = V >= 2 ? 16 / V : 8 };
-  const int H = (int)a.H, W = (int)a.W, Ho = (int)a.Ho, Wo = (int)a.Wo, HoWo = Ho * Wo;
+#ifndef PLANES_BLOCKS
+#define PLANES_BLOCKS 4
+#endif
+template <typename To, typename Tg, typename Acc, int V, int VG>
+__global__ void __launch_bounds__(THREADS, PLANES_BLOCKS) cc_planes(const Args a) {
+  const int H = (int)a.H, W = (int)a.W, Ho = (int)a.Ho, Wo = (int)a.Wo;
   const int kh = (int)a.kh, kw = (int)a.kw, sh = (int)a.sh, sw = (int)a.sw;
   const int ph = (int)a.ph, pw = (int)a.pw, dh = (int)a.dh, dw = (int)a.dw;
-  const i64 HW = (i64)H * W, ostep = a.so4;
-  const int tstep = sh * W;  // between a thread's rows, in T
+  const int dt_g = (int)a.dt_gamma, dt_mu = (int)a.dt_mu, R = (int)a.runp, Wq = (int)a.wq;
+  const int U = sh * (R - 1) + dh * (kh - 1) + 1, Wp = sw * (Wo - 1) + dw * (kw - 1) + 1;
+  const int PP = Wp * Wq, nqv = Wo / V, per_plane = Wo * nqv, nrun = (Ho + R - 1) / R;
+  // The rows y0 and vectors of y1 that some element reads, inside the input.
+  const int nrow = W < Wp - pw ? W : Wp - pw, nvec = (nrow + VG - 1) / VG, per_u = nrow * nvec;
+  const void* gamma = (const void*)a.gamma;
+  const void* mu = (const void*)a.mu;
   To* out = (To*)a.out;
-  const int nterm = kh * kw;
-  const int nib = (Ho + V - 1) / V;  // groups of V rows i1
-  const i64 nz = a.B * a.G * a.nchunk, nq = (i64)nib * Wo, nw = HoWo * nq;
+  Acc* P = reinterpret_cast<Acc*>(planes_smem);
+  for (int e = COOP_FIRST; e < U * PP; e += COOP_STEP) P[e] = (Acc)0;  // the padding
+  const i64 nz = a.B * a.G * a.nchunk, nx = (i64)(2 * Ho - 1) * nrun;
   for (i64 z = blockIdx.z; z < nz; z += gridDim.z) {
     const Slice sl = slice_of(a, z);
-    const i64 b = sl.b, g = sl.g, bg = sl.bg, c0_first = sl.c0_first, c0_end = sl.c0_end;
-    for (i64 w = thread_index(); w < nw; w += grid_stride()) {
-      i64 p64, r64;
-      divmod(w, nq, p64, r64);
-      const int p0 = (int)p64, ib = (int)r64 / Wo, j1 = (int)r64 - ib * Wo;
-      const int i0 = p0 / Wo, j0 = p0 - i0 * Wo, i1 = ib * V, nv = Ho - i1 < V ? Ho - i1 : V;
-      const int x0b = i0 * sh - ph, y0b = j0 * sw - pw, x1b = i1 * sh - ph, y1b = j1 * sw - pw;
-      Acc s[V];
-#pragma unroll
-      for (int e = 0; e < V; ++e) s[e] = (Acc)0;
-      int ii = 0, ji = 0;  // the next term's kernel offset
-      for (int t0 = 0; t0 < nterm; t0 += KU) {
-        Acc tv[KU][V];
-#pragma unroll
-        for (int u = 0; u < KU; ++u) {
-          const int dx = ii * dh, dy = ji * dw, x0 = x0b + dx, y0 = y0b + dy;
-          const int x1 = x1b + dx, y1 = y1b + dy;
-          const bool ok = t0 + u < nterm && (unsigned)x0 < (unsigned)H &&
-                          (unsigned)y0 < (unsigned)W && (unsigned)y1 < (unsigned)W;
-          const Acc* tp = opaque((const Acc*)a.t + (ok ? (bg * HW + x0 * W + y0) * HW
-                                                         + (x1 * W + y1) : 0));
-#pragma unroll
-          for (int e = 0; e < V; ++e)
-            tv[u][e] = ok && e < nv && (unsigned)(x1 + e * sh) < (unsigned)H
-                       ? ldh<0>(tp + e * tstep) : (Acc)0;
-          if (++ji == kw) { ji = 0; ++ii; }
+    const i64 b = sl.b, c0_first = sl.c0_first, c0_end = sl.c0_end;
+    const i64 og_b = b * a.sg0 + sl.g * a.Cg * a.sg1, om_b = b * a.sm0 + sl.g * a.Cg * a.sm1;
+    for (i64 xb = blockIdx.x; xb < nx; xb += gridDim.x) {
+      const int d = (int)(xb / nrun), di = d - (Ho - 1), t0 = (int)(xb - (i64)d * nrun) * R;
+      const int L = Ho - (di < 0 ? -di : di);  // planes on this diagonal
+      if (t0 >= L) continue;  // (uniform across the block)
+      const int nt = L - t0 < R ? L - t0 : R;
+      const int i0a = t0 + (di < 0 ? -di : 0), i1a = t0 + (di > 0 ? di : 0);
+      const int x0a = i0a * sh - ph, dx = (i1a - i0a) * sh;
+      BLOCK_SYNC();  // the previous run's reads of P are done (and the padding's zeros)
+      for (int n = COOP_FIRST; n < U * per_u; n += COOP_STEP) {
+        const int u = n / per_u, r = n - u * per_u, y0 = r / nvec, y1 = (r - y0 * nvec) * VG;
+        bool used = false;  // plane u of P is read by one of the run's nt planes of S
+        for (int ii = 0; ii < kh; ++ii) {
+          const int k = u - ii * dh;
+          used |= k >= 0 && k % sh == 0 && k / sh < nt;
         }
+        if (!used) continue;
+        const int x0 = x0a + u, x1 = x0 + dx;
+        Acc s[VG];
 #pragma unroll
-        for (int u = 0; u < KU; ++u)
+        for (int e = 0; e < VG; ++e) s[e] = (Acc)0;
+        if ((unsigned)x0 < (unsigned)H && (unsigned)x1 < (unsigned)H) {
+          i64 og = og_b + x0 * a.sg2 + y0 * a.sg3 + x1 * a.sg4 + y1 * a.sg5;
+          i64 om0 = om_b + x0 * a.sm2 + y0 * a.sm3, om1 = om_b + x1 * a.sm2 + y1 * a.sm3;
+#pragma unroll 2
+          for (i64 ci = 0; ci < a.Cg; ++ci, og += a.sg1, om0 += a.sm1, om1 += a.sm1) {
+            Acc gv[VG], m1[VG];
+            if (gamma) Ld<Acc, Tg>::template vec<VG>(gamma, og, dt_g, gv);
+            const Acc m0 = Ld<Acc, Tg>::one(mu, om0, dt_mu);
+            Ld<Acc, Tg>::template vec<VG>(mu, om1, dt_mu, m1);
 #pragma unroll
-          for (int e = 0; e < V; ++e) s[e] = aadd(s[e], tv[u][e]);
+            for (int e = 0; e < VG; ++e) s[e] = afma(m0, m1[e], gamma ? aadd(s[e], gv[e]) : s[e]);
+          }
+        }
+        Acc* pp = P + u * PP + (y0 + pw) * Wq + y1 + pw;
+#pragma unroll
+        for (int e = 0; e < VG; ++e) pp[e] = s[e];
       }
-      const i64 o = b * a.so0 + i0 * a.so2 + j0 * a.so3 + i1 * a.so4 + j1 * a.so5;
-      for (i64 c0 = c0_first; c0 < c0_end; ++c0) {
-        const Acc cv = c_of<Acc>(a, c0);
-        const i64 oc = o + c0 * a.so1;
-        Acc old[V];
+      BLOCK_SYNC();
+      for (int w = (int)threadIdx.x; w < nt * per_plane; w += (int)blockDim.x) {
+        const int tt = w / per_plane, r = w - tt * per_plane, j0 = r / nqv;
+        const int j1 = (r - j0 * nqv) * V;
+        To* op = out + b * a.so0 + (i0a + tt) * a.so2 + j0 * a.so3 + (i1a + tt) * a.so4 + j1 * a.so5;
+        const To* os = (const To*)a.src + (op - out);
+        Raw<To, V> old;  // the first channel's out, loaded before S is formed
+        ldraw<To, V, 1>(os + c0_first * a.so1, old);
+        Acc s[V];
 #pragma unroll
-        for (int e = 0; e < V; ++e)
-          old[e] = e < nv ? Ld<Acc, To>::one_stream((const void*)a.src, oc + e * ostep, 0) : (Acc)0;
+        for (int e = 0; e < V; ++e) s[e] = (Acc)0;
+        for (int ii = 0; ii < kh; ++ii) {
+          const Acc* pr = P + (tt * sh + ii * dh) * PP + j0 * sw * Wq + j1 * sw;
+          for (int ji = 0; ji < kw; ++ji) {
+            const Acc* q = pr + ji * dw * (Wq + 1);
 #pragma unroll
-        for (int e = 0; e < V; ++e)
-          if (e < nv) Ld<Acc, To>::put(out, oc + e * ostep, 0, afma(cv, s[e], old[e]));
+            for (int e = 0; e < V; ++e) s[e] = aadd(s[e], q[e * sw]);
+          }
+        }
+        {
+          const Acc cv = c_of<Acc>(a, c0_first);
+          To o[V];
+          unpack<To, V>(old, o);
+#pragma unroll
+          for (int e = 0; e < V; ++e) Cv<Acc>::to(o[e], afma(cv, s[e], Cv<Acc>::from(o[e])));
+          stv<To, V, 1>(op + c0_first * a.so1, o);
+        }
+        add_cs<To, Acc, V>(a, op, os, c0_first + 1, c0_end, s);
       }
     }
   }
@@ -997,7 +1050,8 @@ def _family_names(family):
             + [f"cc_gsum<{cxx}, anyt, {acc}, 1>"]
             + [f"cc_fused<{cxx}, {tg}, {acc}, {v}, {src_t}>" for v in _widths(size)
                for tg, src_t in ((cxx, 0), ("anyt", 0), (cxx, 1))]
-            + [f"cc_cols<{cxx}, {acc}, {v}>" for v in _plan.COLUMN_ROWS]
+            + [f"cc_planes<{cxx}, {tg}, {acc}, {v}, {vg}>" for v in _widths(size)
+               for tg, vg in ((cxx, 1), (cxx, 16 // size), ("anyt", 1))]
             + [f"cc_stream<{cxx}, {acc}, {v}>" for v in _widths(size)])
 
 
@@ -1018,10 +1072,10 @@ class _Launch:
     """One kernel launch of a plan: the kernel (a ``cupy.RawKernel``), its grid and block
     (tuples), and its Args as an int64 template with the address slots empty."""
 
-    __slots__ = ("func", "grid", "block", "args")
+    __slots__ = ("func", "grid", "block", "args", "smem")
 
-    def __init__(self, func, grid, block, args):
-        self.func, self.grid, self.block, self.args = func, grid, block, args
+    def __init__(self, func, grid, block, args, smem=0):
+        self.func, self.grid, self.block, self.args, self.smem = func, grid, block, args, smem
 
 
 class _Launches:
@@ -1034,7 +1088,7 @@ class _Launches:
     def __init__(self, launches):
         self.launches = launches
         self.template = np.stack([ln.args for ln in launches])
-        self.calls = tuple((ln.func, ln.grid, ln.block) for ln in launches)
+        self.calls = tuple((ln.func, ln.grid, ln.block, ln.smem) for ln in launches)
 
 
 def _fill(plan, slots, values):
@@ -1051,8 +1105,8 @@ def _launch_all(plan, args):
     on CuPy's current stream of the current device. Each row is viewed as a one-element
     array of ``_ARGS``; CuPy keeps it alive through the launch, and the driver has copied
     the parameters when the call returns."""
-    for (kernel, grid, block), a in zip(plan.calls, args.view(_ARGS)):
-        kernel(grid, block, (a,))
+    for (kernel, grid, block, smem), a in zip(plan.calls, args.view(_ARGS)):
+        kernel(grid, block, (a,), shared_mem=smem)
 
 
 def _wait(runtime, stream, other):
@@ -1215,14 +1269,14 @@ class CupyBackend(Backend):
         base.update({f"sg{i}": v for i, v in enumerate(sg)})
         base.update({f"sm{i}": v for i, v in enumerate(sm)})
 
-        def launch(name, family, n, grid=None, block=_BLOCK, **kw):
+        def launch(name, family, n, grid=None, block=_BLOCK, smem=0, **kw):
             vals = [0] * len(_FIELDS)
             for k, v in {**base, "n": n, **kw}.items():
                 vals[_SLOT[k]] = int(v)
             if grid is None:
                 grid = (min(-(-n // _THREADS), 2**31 - 1),)
             return _Launch(self._function(name, family, dev), grid, block,
-                           np.array(vals, np.int64))
+                           np.array(vals, np.int64), smem)
 
         m_size = _DTYPES[mi.dtype][2]
         o_cxx, o_size = _DTYPES[oi.dtype][1], _DTYPES[oi.dtype][2]
@@ -1236,11 +1290,19 @@ class CupyBackend(Backend):
         # S through memory, then out streamed (cc_stream): out's rows must be contiguous.
         stream = (contiguous((so[4], so[5]), (Ho, Wo))
                   and _plan.stream_s(Cog, Ho, Wo))
+        # gamma and mu typed when they share the written array's dtype; else run-time typed.
+        stored = {mi.dtype} | ({gi.dtype} if gi else set())
+        src_t = 0 if _plan.direct_source(B, G, Cg, H, W, Ho, Wo, p.kh, p.kw) and fits else 1
+        pl = self._planes(p, so, sg, sm, stored, acc_size, capacity) \
+            if src_t and _plan.by_planes(Cog) else None
+        if pl is not None:  # S from gamma through shared memory (cc_planes), in place of T
+            tg = o_cxx if stored == {oi.dtype} else "anyt"
+            return _Plan([launch(f"cc_planes<{o_cxx}, {tg}, {acc_cxx}, {pl.V}, {pl.VG}>",
+                                 ("fast", o_cxx, acc_cxx), 0, grid=pl.grid, smem=pl.smem,
+                                 runp=pl.runp, wq=pl.wq, nchunk=pl.nchunk, chunk=pl.chunk)],
+                         0, 0, acc)
         launches = []
-        if _plan.direct_source(B, G, Cg, H, W, Ho, Wo, p.kh, p.kw) and fits:
-            src_t = 0
-        else:
-            src_t = 1
+        if src_t:
             # Kernel 1 (T) is typed on gamma's storage (mu's without gamma); mu of another
             # dtype than gamma's is read run-time typed, one q a thread.
             g_dtype = gi.dtype if gi else mi.dtype
@@ -1256,8 +1318,6 @@ class CupyBackend(Backend):
             launches.append(launch(f"cc_gsum<{g_cxx}, {m_cxx}, {acc_cxx}, {v1}>",
                                    ("fast", g_cxx, acc_cxx), B * G * HW * (HW // v1)))
         t_items = B * G * HW * HW if src_t else 0
-        # gamma and mu typed when they share the written array's dtype; else run-time typed.
-        stored = {mi.dtype} | ({gi.dtype} if gi else set())
         if stream:
             # cc_fused writes S[b, g] (a contiguous diagonal layout of G channels, c = 1),
             # then cc_stream adds c[c0] * S into out, row by row.
@@ -1280,16 +1340,24 @@ class CupyBackend(Backend):
                                    nseg=rows, seg_len=seg))
             return _Plan(launches, B * G * HoWo * HoWo, t_items, acc)
         tg = o_cxx if src_t or stored == {oi.dtype} else "anyt"
-        if src_t and _plan.by_columns(Cog):
-            vc = _plan.column_rows(Ho)
-            t = _plan.tiling(B, G, Cog, Ho, Wo, vc, capacity, columns=True)
-            name = f"cc_cols<{o_cxx}, {acc_cxx}, {vc}>"
-        else:
-            t = _plan.tiling(B, G, Cog, Ho, Wo, v, capacity)
-            name = f"cc_fused<{o_cxx}, {tg}, {acc_cxx}, {v}, {src_t}>"
-        launches.append(launch(name, ("fast", o_cxx, acc_cxx), 0, grid=t.grid, block=t.block,
+        t = _plan.tiling(B, G, Cog, Ho, Wo, v, capacity)
+        launches.append(launch(f"cc_fused<{o_cxx}, {tg}, {acc_cxx}, {v}, {src_t}>",
+                               ("fast", o_cxx, acc_cxx), 0, grid=t.grid, block=t.block,
                                nchunk=t.nchunk, chunk=t.chunk))
         return _Plan(launches, 0, t_items, acc)
+
+    def _planes(self, p, so, sg, sm, stored, acc_size, capacity):
+        """cc_planes' sizes for p (``_plan.planes``), or None where its planes do not fit."""
+        oi, gi, mi = p.out_info, p.gamma_info, p.mu_info
+        o_size, m_size = _DTYPES[oi.dtype][2], _DTYPES[mi.dtype][2]
+        v_row = vector_width(o_size, p.Wo, (so[5],), (p.Wo,), so[:5], oi.ptr)
+        # gamma's (and mu's) vectors along y1 in the fill: 16 bytes, or one element.
+        vg = vector_width(o_size, p.W, (sg[5],), (p.W,), sg[:5], gi.ptr,
+                          ((m_size, (sm[3],), sm[:3], mi.ptr),)) if gi else \
+            vector_width(m_size, p.W, (sm[3],), (p.W,), sm[:3], mi.ptr)
+        vg = vg if stored == {oi.dtype} and vg * o_size == 16 else 1
+        return _plan.planes(p.B, p.G, p.Co // p.G, p.W, p.Ho, p.Wo, p.kh, p.kw, p.sh, p.sw,
+                            p.pw, p.dh, p.dw, v_row, vg, acc_size, capacity)
 
     def _vjp_plan(self, a, dev):
         """Launches for one backward call signature (see cc_vjp_gamma in SOURCE)."""
