@@ -118,21 +118,24 @@ def planes(B, G, Cog, W, Ho, Wo, kh, kw, sh, sw, pw, dh, dw, v_row, vg, acc_size
     ``v_row``: the widest vector along a row of out's (i1, j1) plane; ``vg``: along a row
     of gamma's and mu's (x1, y1) plane. A block takes a whole diagonal of S (``Ho``
     planes of ``Wo * Wo / V`` threads each, V narrowed until they fill the block), fewer
-    planes where their ``sh*(R-1) + dh*(kh-1) + 1`` planes of P exceed SMEM_MAX."""
+    planes where their ``sh*(R-1) + dh*(kh-1) + 1`` planes of P exceed SMEM_MAX or 64."""
     Wp = sw * (Wo - 1) + dw * (kw - 1) + 1  # the columns y + pw a row of S spans
-    wq = max(Wp, pw + _cdiv(min(W, Wp - pw), vg) * vg)
+    wq = _cdiv(max(Wp, pw + _cdiv(min(W, Wp - pw), vg) * vg), sw) * sw  # sw classes
     V = v_row
     while V > 1 and Ho * (Wo * Wo // V) < THREADS:
         V //= 2
 
+    def rows(r):  # planes of P a run of r planes of S reads (a 64-bit mask in the kernel)
+        return sh * (r - 1) + dh * (kh - 1) + 1
+
     def smem(r):
-        return (sh * (r - 1) + dh * (kh - 1) + 1) * Wp * wq * acc_size
+        return rows(r) * Wp * wq * acc_size
 
     # A whole diagonal a block: mb-dw 1861 -> 1575 us on the H200 against a block's worth.
     R = Ho
-    while R > 1 and smem(R) > SMEM_MAX:
+    while R > 1 and (smem(R) > SMEM_MAX or rows(R) > 64):
         R -= 1
-    if smem(R) > SMEM_MAX:
+    if smem(R) > SMEM_MAX or rows(R) > 64:
         return None
     nx = (2 * Ho - 1) * _cdiv(Ho, R)
     # Split the channels when the blocks alone would leave the device under-filled.

@@ -701,12 +701,14 @@ __global__ void __launch_bounds__(THREADS, SRC_T ? FUSED_T_BLOCKS : 2) cc_fused(
 // x0 = i0*sh + ii*dh - ph, x1 = x0 + (i1 - i0)*sh. A block takes a run of R consecutive
 // planes of S along one diagonal i1 - i0 (_plan.planes): the U = sh*(R-1) + dh*(kh-1) + 1
 // planes of P they read are summed once each, straight from gamma and mu, VG elements
-// along y1 a load, into shared memory (a plane: Wp rows y0 + pw, Wq columns y1 + pw; what
-// lies in the padding stays zero from the block's start, so an absent term adds nothing
-// and NaN/Inf in mu never meets a padded zero). Each element of S is then kh*kw reads of
-// shared memory, and c[c0] * S goes into out for the chunk's channels (add_cs). gamma is
-// read U / R times (the overlap from L2, where the neighbouring run read it), and nothing
-// the size of T or S goes through memory. Grid: x over (diagonal, run), z over
+// along y1 a load, into shared memory (a plane: Wp rows y0 + pw, Wq columns y1 + pw, the
+// columns stored by class modulo sw, Wc = Wq / sw a class, so that the V columns
+// (j1 + e)*sw + ji*dw of a term are consecutive words; what lies in the padding stays
+// zero from the block's start, so an absent term adds nothing and NaN/Inf in mu never
+// meets a padded zero). Each element of S is then kh*kw reads of shared memory, and
+// c[c0] * S goes into out for the chunk's channels (add_cs). gamma is read U / R times
+// (the overlap from L2, where the neighbouring run read it), and nothing the size of T or
+// S goes through memory. Grid: x over (diagonal, run), z over
 // (b, g, chunk); both loop.
 #ifdef __CUDA_ARCH__
 extern __shared__ __align__(16) unsigned char planes_smem[];
@@ -731,7 +733,8 @@ __global__ void __launch_bounds__(THREADS, PLANES_BLOCKS) cc_planes(const Args a
   const int ph = (int)a.ph, pw = (int)a.pw, dh = (int)a.dh, dw = (int)a.dw;
   const int dt_g = (int)a.dt_gamma, dt_mu = (int)a.dt_mu, R = (int)a.runp, Wq = (int)a.wq;
   const int U = sh * (R - 1) + dh * (kh - 1) + 1, Wp = sw * (Wo - 1) + dw * (kw - 1) + 1;
-  const int PP = Wp * Wq, nqv = Wo / V, per_plane = Wo * nqv, nrun = (Ho + R - 1) / R;
+  const int PP = Wp * Wq, Wc = Wq / sw, nqv = Wo / V, per_plane = Wo * nqv;
+  const int nrun = (Ho + R - 1) / R;
   // The rows y0 and vectors of y1 that some element reads, inside the input.
   const int nrow = W < Wp - pw ? W : Wp - pw, nvec = (nrow + VG - 1) / VG, per_u = nrow * nvec;
   const void* gamma = (const void*)a.gamma;
@@ -739,6 +742,7 @@ __global__ void __launch_bounds__(THREADS, PLANES_BLOCKS) cc_planes(const Args a
   To* out = (To*)a.out;
   Acc* P = reinterpret_cast<Acc*>(planes_smem);
   for (int e = COOP_FIRST; e < U * PP; e += COOP_STEP) P[e] = (Acc)0;  // the padding
+  const int dwm = dw % sw, dwq = dw / sw;  // a step of dw columns: of classes, of places
   const i64 nz = a.B * a.G * a.nchunk, nx = (i64)(2 * Ho - 1) * nrun;
   for (i64 z = blockIdx.z; z < nz; z += gridDim.z) {
     const Slice sl = slice_of(a, z);
@@ -751,35 +755,38 @@ __global__ void __launch_bounds__(THREADS, PLANES_BLOCKS) cc_planes(const Args a
       const int nt = L - t0 < R ? L - t0 : R;
       const int i0a = t0 + (di < 0 ? -di : 0), i1a = t0 + (di > 0 ? di : 0);
       const int x0a = i0a * sh - ph, dx = (i1a - i0a) * sh;
+      u64 run = 0, used = 0;  // bit u: plane u of P is read by one of the run's nt planes of S
+      for (int t = 0; t < nt; ++t) run |= 1ull << (t * sh);
+      for (int ii = 0; ii < kh; ++ii) used |= run << (ii * dh);
       BLOCK_SYNC();  // the previous run's reads of P are done (and the padding's zeros)
       for (int n = COOP_FIRST; n < U * per_u; n += COOP_STEP) {
         const int u = n / per_u, r = n - u * per_u, y0 = r / nvec, y1 = (r - y0 * nvec) * VG;
-        bool used = false;  // plane u of P is read by one of the run's nt planes of S
-        for (int ii = 0; ii < kh; ++ii) {
-          const int k = u - ii * dh;
-          used |= k >= 0 && k % sh == 0 && k / sh < nt;
-        }
-        if (!used) continue;
-        const int x0 = x0a + u, x1 = x0 + dx;
-        Acc s[VG];
+        if ((used >> u) & 1u) {
+          const int x0 = x0a + u, x1 = x0 + dx;
+          Acc s[VG];
 #pragma unroll
-        for (int e = 0; e < VG; ++e) s[e] = (Acc)0;
-        if ((unsigned)x0 < (unsigned)H && (unsigned)x1 < (unsigned)H) {
-          i64 og = og_b + x0 * a.sg2 + y0 * a.sg3 + x1 * a.sg4 + y1 * a.sg5;
-          i64 om0 = om_b + x0 * a.sm2 + y0 * a.sm3, om1 = om_b + x1 * a.sm2 + y1 * a.sm3;
+          for (int e = 0; e < VG; ++e) s[e] = (Acc)0;
+          if ((unsigned)x0 < (unsigned)H && (unsigned)x1 < (unsigned)H) {
+            i64 og = og_b + x0 * a.sg2 + y0 * a.sg3 + x1 * a.sg4 + y1 * a.sg5;
+            i64 om0 = om_b + x0 * a.sm2 + y0 * a.sm3, om1 = om_b + x1 * a.sm2 + y1 * a.sm3;
 #pragma unroll 2
-          for (i64 ci = 0; ci < a.Cg; ++ci, og += a.sg1, om0 += a.sm1, om1 += a.sm1) {
-            Acc gv[VG], m1[VG];
-            if (gamma) Ld<Acc, Tg>::template vec<VG>(gamma, og, dt_g, gv);
-            const Acc m0 = Ld<Acc, Tg>::one(mu, om0, dt_mu);
-            Ld<Acc, Tg>::template vec<VG>(mu, om1, dt_mu, m1);
+            for (i64 ci = 0; ci < a.Cg; ++ci, og += a.sg1, om0 += a.sm1, om1 += a.sm1) {
+              Acc gv[VG], m1[VG];
+              if (gamma) Ld<Acc, Tg>::template vec<VG>(gamma, og, dt_g, gv);
+              const Acc m0 = Ld<Acc, Tg>::one(mu, om0, dt_mu);
+              Ld<Acc, Tg>::template vec<VG>(mu, om1, dt_mu, m1);
 #pragma unroll
-            for (int e = 0; e < VG; ++e) s[e] = afma(m0, m1[e], gamma ? aadd(s[e], gv[e]) : s[e]);
+              for (int e = 0; e < VG; ++e) s[e] = afma(m0, m1[e], gamma ? aadd(s[e], gv[e]) : s[e]);
+            }
+          }
+          Acc* pp = P + u * PP + (y0 + pw) * Wq;
+          int cm = (y1 + pw) % sw, cq = (y1 + pw) / sw;  // column y1 + pw: class, place
+#pragma unroll
+          for (int e = 0; e < VG; ++e) {
+            pp[cm * Wc + cq] = s[e];
+            if (++cm == sw) { cm = 0; ++cq; }
           }
         }
-        Acc* pp = P + u * PP + (y0 + pw) * Wq + y1 + pw;
-#pragma unroll
-        for (int e = 0; e < VG; ++e) pp[e] = s[e];
       }
       BLOCK_SYNC();
       for (int w = (int)threadIdx.x; w < nt * per_plane; w += (int)blockDim.x) {
@@ -792,12 +799,15 @@ __global__ void __launch_bounds__(THREADS, PLANES_BLOCKS) cc_planes(const Args a
         Acc s[V];
 #pragma unroll
         for (int e = 0; e < V; ++e) s[e] = (Acc)0;
-        for (int ii = 0; ii < kh; ++ii) {
-          const Acc* pr = P + (tt * sh + ii * dh) * PP + j0 * sw * Wq + j1 * sw;
-          for (int ji = 0; ji < kw; ++ji) {
-            const Acc* q = pr + ji * dw * (Wq + 1);
+        // Term (ii, ji): row j0*sw + ji*dw of plane tt*sh + ii*dh; columns
+        // (j1 + e)*sw + ji*dw, of class (ji*dw) % sw: V consecutive places.
+        const Acc* pr = P + tt * sh * PP + j0 * sw * Wq + j1;
+        for (int ji = 0, cm = 0, cq = 0; ji < kw; ++ji, pr += dw * Wq, cm += dwm, cq += dwq) {
+          if (cm >= sw) { cm -= sw; ++cq; }
+          for (int ii = 0; ii < kh; ++ii) {
+            const Acc* q = pr + ii * dh * PP + cm * Wc + cq;
 #pragma unroll
-            for (int e = 0; e < V; ++e) s[e] = aadd(s[e], q[e * sw]);
+            for (int e = 0; e < V; ++e) s[e] = aadd(s[e], q[e]);
           }
         }
         {
