@@ -26,6 +26,7 @@ WIDTHS = {"float16": (1, 2, 4, 8), "uint16": (1, 2, 4, 8), "float32": (1, 2, 4),
 #: Each kernel's pointers, in _signature's order (fused_t reads T, not gamma and mu).
 POINTERS = {"gsum": ("gamma", "mu"), "fused": ("out", "gamma", "mu", "c"),
             "fused_t": ("out", "c"), "stream": ("out", "c"),
+            "planes": ("out", "gamma", "mu", "c"), "planes_vg": ("out", "gamma", "mu", "c"),
             "vjp_gamma": ("grad_S", "grad_gamma"), "vjp_mu": ("grad_S", "mu", "grad_mu")}
 
 
@@ -41,13 +42,17 @@ def requests():
       float64 when c is a number beyond float32's range. The kernels other than fused see
       some of the call's arrays only, so any of their type mixes can meet float64 sums;
       fused sees all four, so with none float64 only a number c (out's type) can;
-    * V: gamma's vector width for gsum, out's (or S's) for fused, fused_t and stream, 1
-      for the backward."""
+    * V: gamma's vector width for gsum, out's (or S's) for fused, fused_t, stream and
+      planes, 1 for the backward; planes_vg (16-byte vectors of gamma and mu) only where
+      gamma and mu have out's dtype."""
     out = []
     for name, pointers in POINTERS.items():
         for elems in itertools.product(TYPES, repeat=len(pointers)):
+            if name == "planes_vg" and elems[1:3] != elems[:1] * 2:
+                continue  # (gamma and mu vectors only where they have out's dtype)
             accs = ("float64",) if "float64" in elems else ("float32", "float64")
-            if name == "fused" and "float64" not in elems and elems[3] != elems[0]:
+            if name in ("fused", "planes", "planes_vg") and "float64" not in elems \
+                    and elems[3] != elems[0]:
                 accs = ("float32",)
             for acc in accs:
                 widths = (1,) if name.startswith("vjp") else WIDTHS[elems[0]]

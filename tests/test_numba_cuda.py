@@ -2,15 +2,16 @@
 
 Without a GPU (CI) the kernels run under Numba's CUDA simulator on numpy and torch CPU
 arrays (tests/conftest.py switches it on): each branch of the plan (S straight from gamma
-and mu, or from T; S fused into out, or through memory and streamed into out) is forced
-through ``convcov.backends._plan`` on the same small problems of signed inputs, with every
-layout, ``c`` form, dtype (bfloat16 through torch) and conv parameter, the vector widths,
-split channel chunks, padding next to Inf, and a float64 sum that must reach bfloat16 with
-one rounding; the kernels compiled for sm_90 without a GPU (tests/_compile_numba_cuda.py)
-cover every one the plans ask for, over every dtype mix. With a GPU the same checks run on
-torch CUDA tensors, plus what only a device can show: CuPy arrays and numba device arrays,
-a launch on a non-default torch stream, an ``out`` of more than 2**31 elements, several
-threads at once. Tests that need what is missing skip and say why."""
+and mu, from T, or through shared memory by planes; S fused into out, or through memory
+and streamed into out) is forced through ``convcov.backends._plan`` on the same small
+problems of signed inputs, with every layout, ``c`` form, dtype (bfloat16 through torch)
+and conv parameter, the vector widths, split channel chunks, padding next to Inf, and a
+float64 sum that must reach bfloat16 with one rounding; the kernels compiled for sm_90
+without a GPU (tests/_compile_numba_cuda.py) cover every one the plans ask for, over every
+dtype mix. With a GPU the same checks run on torch CUDA tensors, plus what only a device can show:
+CuPy arrays and numba device arrays, a launch on a non-default torch stream, an ``out`` of
+more than 2**31 elements, several threads at once. Tests that need what is missing skip
+and say why."""
 
 from __future__ import annotations
 
@@ -96,7 +97,9 @@ def _requested_kernels(monkeypatch):
     c dtype (fused, fused_t, stream; diagonal and full layouts) at each width with float32
     and float64 sums (a float64 array beside them), and S written. Backward: each dtype
     of grad_S and grad_gamma, and of grad_S, mu and grad_mu, with float32 and float64
-    sums. And the other forms: gamma None, full gamma, a number c, a 0-d c."""
+    sums. The planes kernel: every dtype mix at each width of out, with gamma one element
+    off (VG 1), and where gamma and mu have out's dtype aligned (VG 16 bytes), with float64
+    sums as above. And the other forms: gamma None, full gamma, a number c, a 0-d c."""
     import itertools
 
     import torch
@@ -132,17 +135,20 @@ def _requested_kernels(monkeypatch):
     mu_shape, s_shape = (1, 2, 4, 4), (1, 1, 4, 4, 4, 4)
     diag, full_shape = (1, 2, 4, 4, 4, 4), (1, 2, 4, 4, 2, 4, 4)  # out's and gamma's
 
-    def forward(o, g, m, c, direct, Vg=None, Vo=None, full=False, k=1, stream=False):
-        """One call (B 1, Ci = Co = 2, 4 x 4, padding keeping 4 x 4) on one plan branch: g
-        None or "full:" + type; c a type (shape (Co,)), "0d:" + type, or a number."""
+    def forward(o, g, m, c, direct, Vg=None, Vo=None, full=False, k=1, stream=False,
+                planes=False):
+        """One call (B 1, Ci = Co = 2, 4 x 4, padding keeping 4 x 4; ``planes``: by the
+        planes kernel, 16 x 16, so that no V is narrowed) on one plan branch: g None or
+        "full:" + type; c a type (shape (Co,)), "0d:" + type, or a number."""
+        n = 16 if planes else 4
         with monkeypatch.context() as mp:
-            _force(mp, direct, stream)
+            _force(mp, direct, stream, planes)
             gamma = None if g is None else (arr(full_shape, g[5:]) if g.startswith("full:")
-                                            else arr(diag, g, Vg))
+                                            else arr((1, 2) + (n,) * 4, g, Vg))
             cc = (c if not isinstance(c, str) else arr((), c[3:]) if c.startswith("0d:")
                   else arr((2,), c))
-            out = arr(full_shape if full else diag, o, Vo)
-            convcov.accumulate(out, gamma, arr(mu_shape, m), cc, k, padding=k // 2,
+            out = arr(full_shape if full else (1, 2) + (n,) * 4, o, Vo)
+            convcov.accumulate(out, gamma, arr((1, 2, n, n), m), cc, k, padding=k // 2,
                                backend="numba_cuda")
 
     def backward(s, m, gg, gm):
@@ -157,6 +163,13 @@ def _requested_kernels(monkeypatch):
     for o, g, m in itertools.product(no_f64, repeat=3):
         for V in WIDTHS[o]:
             forward(o, g, m, 1e-39, True, Vo=V)  # below float32's normal range: f64 sums
+    for vg, Vg in (("planes", 1), ("planes_vg", None)):  # gamma one element off: VG 1
+        for o, g, m, c in itertools.product(TYPES, repeat=4):
+            if vg == "planes" or g == m == o:  # (VG > 1 only where they have out's dtype)
+                for V in WIDTHS[o]:
+                    forward(o, g, m, c, False, Vg=Vg, Vo=V, planes=True)
+                    if o in no_f64 and g in no_f64 and m in no_f64:
+                        forward(o, g, m, 1e-39, False, Vg=Vg, Vo=V, planes=True)
     for acc in ("float32", "float64"):  # the dtype of the arrays beside, so of the sums
         types = no_f64 if acc == "float32" else TYPES
         for g, m in itertools.product(types, repeat=2):
@@ -233,29 +246,37 @@ def _forget_plans(monkeypatch):
     monkeypatch.setattr(_frontend, "_bound", {})
 
 
-def _force(monkeypatch, direct, stream):
-    """Force both of the plan's choices (``convcov.backends._plan``, as cupy's plan reads
-    them): S straight from gamma and mu (``direct``) or from T, and S fused into out or
-    through memory and streamed into out (``stream``)."""
+def _force(monkeypatch, direct, stream, planes=False):
+    """Force the plan's choices (``convcov.backends._plan``, as cupy's plan reads them): S
+    straight from gamma and mu (``direct``) or from T, S fused into out or through memory
+    and streamed into out (``stream``), and, where S would come from T, the planes kernel
+    in its place (``planes``: ``_plan.by_planes``)."""
     from convcov.backends import _plan
 
     monkeypatch.setattr(_plan, "direct_source", lambda *args: direct)
     monkeypatch.setattr(_plan, "stream_s", lambda *args: stream)
+    monkeypatch.setattr(_plan, "by_planes", lambda *args: planes)
     _forget_plans(monkeypatch)
 
 
-#: The plan's branches: (S straight from gamma and mu, S through memory).
+#: The plan's branches: (S straight from gamma and mu, S through memory, S by planes).
 PATHS = {"direct": (True, False), "t": (False, False), "direct-stream": (True, True),
-         "t-stream": (False, True)}
+         "t-stream": (False, True), "planes": (False, False, True)}
 
 
 @pytest.fixture(params=list(PATHS))
 def path(request, monkeypatch):
     """Force one branch of the plan: S from gamma and mu or from T (``gsum``), fused into
     out or written and streamed into out (``stream``; where out's (i1, j1) planes are
-    contiguous, else the plan fuses)."""
+    contiguous, else the plan fuses); or "planes": S from gamma and mu through shared
+    memory, one launch, no T (each plan made must have taken it: its planes fit)."""
     _force(monkeypatch, *PATHS[request.param])
-    return request.param
+    yield request.param
+    if request.param == "planes":
+        from convcov.backends import numba_cuda as mod
+
+        names = [[ln.name for ln in plan.launches] for plan in mod._plans.values()]
+        assert all(n in (["planes"], ["planes_vg"]) for n in names), names
 
 
 def _names(mod):
@@ -479,6 +500,26 @@ def test_fused_vector_widths(monkeypatch, dtype, misaligned, V):
         assert dict(_names(mod))["fused" if direct else "fused_t"] == V
 
 
+@available
+@pytest.mark.parametrize("dtypes, stride, misaligned, widths", [
+    (("float32",) * 4, (1, 1), False, ("planes_vg", 2)),  # VG 4; V 4 narrowed: 8 x 8 planes
+    (("float16",) * 4, (1, 2), False, ("planes_vg", 2)),  # VG 8; 2 columns apart
+    (("float64",) * 4, (1, 1), True, ("planes_vg", 1)),   # VG 2; out one element off
+    (("float32", "float16", "float32", "float32"), (1, 1), False, ("planes", 2)),  # mixed
+])
+def test_planes_vector_widths(monkeypatch, dtypes, stride, misaligned, widths):
+    """The planes kernel reads gamma and mu VG elements (16 bytes) along y1 a load where
+    both have out's dtype and the layout allows, else one, and adds into out V elements
+    along j1 a load, V narrowed until a run of planes fills the block."""
+    from convcov.backends import numba_cuda as mod
+
+    _force(monkeypatch, *PATHS["planes"])
+    out, g, mu, c, k, cv = _problem(np.random.default_rng(9), 1, 2, 2, 8, 8 * stride[1],
+                                    (3, 3), False, "diag", G=2, stride=stride, padding=(1, 1))
+    _check(out, g, mu, c, k, cv, KINDS[0], dtypes, misalign=misaligned)
+    assert _names(mod) == [widths]
+
+
 def _out_view(a, kind, case):
     """``a`` (a diagonal-layout out when case starts with "diag", else full) as an array
     of ``kind``: contiguous; "gapped": a full out whose (i0, j0) rows are not at one
@@ -525,24 +566,29 @@ def test_stream_rows(monkeypatch, case, rows, hw):
 
 
 @available
-@pytest.mark.parametrize("direct", [True, False])
-def test_output_channels_in_chunks(monkeypatch, direct):
-    """Where the threads alone under-fill the device (the simulator pretends a small one),
-    _plan.tiling splits each group's output channels into chunks, each re-forming its S;
-    17 channels a group in two groups: chunks of UNROLL and a last short one."""
+@pytest.mark.parametrize("branch, kernel", [("direct", "fused"), ("t", "fused_t"),
+                                            ("planes", "planes")])
+def test_output_channels_in_chunks(monkeypatch, branch, kernel):
+    """Where the threads alone under-fill the device (the simulator pretends a small one;
+    for planes, whose blocks fill it at once, a larger one), _plan.tiling (_plan.planes)
+    splits each group's output channels into chunks, each re-forming its S; 17 channels a
+    group in two groups: chunks of UNROLL and a last short one."""
     from convcov.backends import _plan
     from convcov.backends import numba_cuda as mod
 
-    _force(monkeypatch, direct, False)
+    _force(monkeypatch, *PATHS[branch])
     tilings = []
-    tiling = _plan.tiling
-    monkeypatch.setattr(_plan, "tiling", lambda *a: tilings.append(tiling(*a)) or tilings[-1])
+    planner = "planes" if branch == "planes" else "tiling"
+    plan_of = getattr(_plan, planner)
+    monkeypatch.setattr(_plan, planner, lambda *a: tilings.append(plan_of(*a)) or tilings[-1])
+    if branch == "planes":
+        monkeypatch.setattr(mod, "_capacity", lambda dev: 4096)
     out, g, mu, c, k, cv = _problem(np.random.default_rng(7), 1, 4, 34, 3, 3, (2, 2), False,
                                     "diag", G=2)
     _check(out, g, mu, c, k, cv, KINDS[0], ("float32",) * 4)
     (t,) = tilings
     assert t.nchunk > 1 and 34 // 2 % t.chunk, t
-    assert _names(mod)[-1][0] == ("fused" if direct else "fused_t")
+    assert _names(mod)[-1][0] == kernel
 
 
 @available

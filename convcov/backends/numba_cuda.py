@@ -20,6 +20,11 @@ chooses, from the problem's quantities, at most three launches, the kernels of c
   memory.
 * ``stream`` (where ``_plan.stream_s``): the fused kernel writes S instead, and this kernel
   streams ``out[b, c0] += c[c0] * S[b, g]`` in address order.
+* ``planes`` (cupy's ``cc_planes``: depthwise layers where S would come from T,
+  ``_plan.by_planes``, where ``_plan.planes`` fits): a block sums the planes
+  ``P[x0, :, x1, :]`` of gamma + mu (x) mu that a run of planes of S along one diagonal
+  ``i1 - i0`` reads into dynamic shared memory, once each, then forms those planes of S
+  from there and adds ``c[c0] * S`` into out: one launch, no T.
 
 Terms with a position in the padding are skipped (SPEC section 1), so NaN/Inf in ``mu``
 never meets a padded zero. Index arithmetic is 64-bit (divisions in 32 bits where the
@@ -123,6 +128,26 @@ if _IMPORT_ERROR is None:
         if (a | b) >> 32 == 0:
             return numba.int64(numba.uint32(a) // numba.uint32(b))
         return a // b
+
+    @cuda.jit(device=True)
+    def _split(n, per, inner, width):
+        """Item n of planes of ``per`` items, each a row of ``inner`` vectors of ``width``
+        elements: (plane, row, first element), the planes kernel's (u, y0, y1) of its fill
+        and (tt, j0, j1) of S."""
+        a = _div(n, per)
+        r = n - a * per
+        c = _div(r, inner)
+        return a, c, (r - c * inner) * width
+
+    @cuda.jit(device=True)
+    def _slice(z, nchunk, G, Cog, chunk):
+        """Work slice z of the fused and planes kernels: its b, g and chunk
+        [c_first, c_end) of the group's output channels (cupy's slice_of)."""
+        bg = _div(z, nchunk)
+        b = _div(bg, G)
+        g = bg - b * G
+        c_first = g * Cog + (z - bg * nchunk) * chunk
+        return b, g, c_first, min(c_first + chunk, (g + 1) * Cog)
 
     if SIM:
         def _to_acc(v, zero):
@@ -297,8 +322,8 @@ if _IMPORT_ERROR is None:
     _STV = {(n, h): _make_stv(n, h) for n in (1, 2, 4, 8) for h in ("", "cs")}
 
 # ---------------------------------------------------------------------------------------
-# The forward kernels (cupy's SOURCE: cc_gsum, cc_fused, cc_stream). Index names follow
-# SPEC section 1. An array is (pointer, base, element strides): element [i, j, ...] is
+# The forward kernels (cupy's SOURCE: cc_gsum, cc_fused, cc_stream, cc_planes). Index names
+# follow SPEC section 1. An array is (pointer, base, element strides): element [i, j, ...] is
 # ptr[base + i*s0 + j*s1 + ...]; out's and gamma's channel stride is the channel-diagonal's.
 # geo = (B, G, Cg, Cog, H, W, Ho, Wo, kh, kw, sh, sw, ph, pw, dh, dw). ``zero`` is 0 in the
 # accumulation type (it types the sums). Each kernel comes from a factory whose arguments
@@ -403,11 +428,8 @@ if _IMPORT_ERROR is None:
             use_g = has_g != 0
             z = cuda.blockIdx.z
             while z < B * G * nchunk:
-                bg = _div(z, nchunk)
-                b = _div(bg, G)
-                g = bg - b * G
-                c_first = g * Cog + (z - bg * nchunk) * chunk
-                c_end = min(c_first + chunk, (g + 1) * Cog)
+                b, g, c_first, c_end = _slice(z, nchunk, G, Cog, chunk)
+                bg = b * G + g
                 w = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
                 while w < nw:
                     p0 = _div(w, nqv)
@@ -559,11 +581,156 @@ if _IMPORT_ERROR is None:
 
         return stream
 
+    def _make_planes(V, ACC, OT, VG):
+        """cupy's cc_planes (``_plan.planes``): S from gamma and mu through shared memory,
+        no T. A plane S[b, g, i0, :, i1, :] is the sum over ii of a diagonal kw-term box
+        filter of one plane P[x0, :, x1, :] of the group's channel sum of gamma + mu (x) mu
+        (x0 = i0*sh + ii*dh - ph, x1 = x0 + (i1 - i0)*sh). A block (blockIdx.x: a diagonal
+        i1 - i0 and a run of ``runp`` planes along it; z: (b, g, chunk)) sums the run's
+        nu = sh*(runp-1) + dh*(kh-1) + 1 planes of P once each into dynamic shared memory
+        (a plane: Wp rows y0 + pw, ``wq`` columns y1 + pw), VG elements of gamma and mu
+        along y1 a load. The cells in the padding are zeroed when the block starts and never
+        written, so an absent term adds nothing (NaN/Inf in mu never meets a padded zero).
+        Then a thread forms V consecutive j1 of a row of S from kh*kw reads of shared memory
+        each and adds c[c0] * S into out for the chunk's channels (the first channel's out
+        loaded before S is formed, then as in fused, UNROLL channels' loads in flight)."""
+        U, ldn, ldg = _plan.UNROLL, _LDV[1, "nc"], _LDV[VG, "nc"]
+        ldo, sto = _LDV[V, "cs"], _STV[V, "cs"]
+        UV = U * V  # a local array's size must be a constant
+
+        def planes(optr, obase, ost, gptr, gbase, gst, has_g, mptr, mbase, mst, cptr, cbase,
+                   cst, has_c, cval, geo, runp, wq, nchunk, chunk, zero):
+            B, G, Cg, Cog = geo[0], geo[1], geo[2], geo[3]
+            H, W, Ho, Wo, kh, kw = geo[4], geo[5], geo[6], geo[7], geo[8], geo[9]
+            sh, sw, ph, pw, dh, dw = geo[10], geo[11], geo[12], geo[13], geo[14], geo[15]
+            nu = sh * (runp - 1) + dh * (kh - 1) + 1  # planes of P a run reads
+            Wp = sw * (Wo - 1) + dw * (kw - 1) + 1  # the columns y + pw a row of S spans
+            PP = Wp * wq
+            nqv = Wo // V
+            per_plane = Wo * nqv
+            nrun = (Ho + runp - 1) // runp
+            nrow = min(W, Wp - pw)  # the rows y0 (and columns y1) read, inside the input
+            nvec = (nrow + VG - 1) // VG
+            per_u = nrow * nvec
+            use_g = has_g != 0
+            tid, nthr = cuda.threadIdx.x, cuda.blockDim.x
+            P = cuda.shared.array(0, ACC)
+            e = tid
+            while e < nu * PP:  # the padding: zero for the whole block
+                P[e] = zero
+                e += nthr
+            nx = (2 * Ho - 1) * nrun
+            z = cuda.blockIdx.z
+            while z < B * G * nchunk:
+                b, g, c_first, c_end = _slice(z, nchunk, G, Cog, chunk)
+                og_b = gbase + b * gst[0] + g * Cg * gst[1]
+                om_b = mbase + b * mst[0] + g * Cg * mst[1]
+                xb = cuda.blockIdx.x
+                while xb < nx:
+                    d = _div(xb, nrun)
+                    di = d - (Ho - 1)  # the diagonal i1 - i0
+                    t0 = (xb - d * nrun) * runp
+                    L = Ho - abs(di)  # planes of S on it
+                    if t0 < L:  # (uniform across the block)
+                        nt = min(L - t0, runp)
+                        i0a = t0 + (-di if di < 0 else 0)
+                        i1a = t0 + (di if di > 0 else 0)
+                        x0a = i0a * sh - ph
+                        dx = (i1a - i0a) * sh
+                        cuda.syncthreads()  # the previous run's reads of P are done
+                        n = tid
+                        while n < nu * per_u:
+                            u, y0, y1 = _split(n, per_u, nvec, VG)
+                            used = False  # plane u is read by one of the run's nt planes
+                            for ii in range(kh):
+                                k = u - ii * dh
+                                if k >= 0:
+                                    kq = _div(k, sh)
+                                    if kq * sh == k and kq < nt:
+                                        used = True
+                            if used:
+                                x0 = x0a + u
+                                x1 = x0 + dx
+                                s = cuda.local.array(VG, ACC)
+                                for e in range(VG):
+                                    s[e] = zero
+                                if (x0 >= 0) & (x0 < H) & (x1 >= 0) & (x1 < H):
+                                    og = (og_b + x0 * gst[2] + y0 * gst[3] + x1 * gst[4]
+                                          + y1 * gst[5])
+                                    om0 = om_b + x0 * mst[2] + y0 * mst[3]
+                                    om1 = om_b + x1 * mst[2] + y1 * mst[3]
+                                    for _ in range(Cg):
+                                        m0 = _to_acc(ldn(mptr, om0)[0], zero)
+                                        m1 = ldg(mptr, om1)
+                                        if use_g:
+                                            gv = ldg(gptr, og)
+                                            for e in range(VG):
+                                                s[e] = m0 * _to_acc(m1[e], zero) + (
+                                                    s[e] + _to_acc(gv[e], zero))
+                                        else:
+                                            for e in range(VG):
+                                                s[e] = m0 * _to_acc(m1[e], zero) + s[e]
+                                        og += gst[1]
+                                        om0 += mst[1]
+                                        om1 += mst[1]
+                                pp = u * PP + (y0 + pw) * wq + y1 + pw
+                                for e in range(VG):
+                                    P[pp + e] = s[e]
+                            n += nthr
+                        cuda.syncthreads()
+                        w = tid
+                        while w < nt * per_plane:
+                            tt, j0, j1 = _split(w, per_plane, nqv, V)
+                            oo = (obase + b * ost[0] + (i0a + tt) * ost[2] + j0 * ost[3]
+                                  + (i1a + tt) * ost[4] + j1 * ost[5])
+                            first = ldo(optr, oo + c_first * ost[1])  # before S is formed
+                            s = cuda.local.array(V, ACC)
+                            for e in range(V):
+                                s[e] = zero
+                            for ii in range(kh):
+                                pr = (tt * sh + ii * dh) * PP + j0 * sw * wq + j1 * sw
+                                for ji in range(kw):
+                                    q = pr + ji * dw * (wq + 1)
+                                    for e in range(V):
+                                        s[e] += P[q + e * sw]
+                            res = cuda.local.array(V, OT)
+                            cv = _to_acc(cptr[cbase + c_first * cst], zero) if has_c else cval
+                            for e in range(V):
+                                res[e] = _to_elem(optr, _to_acc(first[e], zero) + cv * s[e])
+                            sto(optr, oo + c_first * ost[1], res, 0)
+                            c0 = c_first + 1
+                            while c0 < c_end:  # the chunk's other channels, as in fused
+                                old = cuda.local.array(UV, OT)
+                                for u in range(U):  # past the chunk: its last, never stored
+                                    y = ldo(optr, oo + min(c0 + u, c_end - 1) * ost[1])
+                                    for e in range(V):
+                                        old[u * V + e] = y[e]
+                                for u in range(U):
+                                    if u == 0 or c0 + u < c_end:
+                                        cv = (_to_acc(cptr[cbase + (c0 + u) * cst], zero)
+                                              if has_c else cval)
+                                        for e in range(V):
+                                            res[e] = _to_elem(optr, _to_acc(old[u * V + e], zero)
+                                                              + cv * s[e])
+                                        sto(optr, oo + (c0 + u) * ost[1], res, 0)
+                                c0 += U
+                            w += nthr
+                    xb += cuda.gridDim.x
+                z += cuda.gridDim.z
+
+        return planes
+
     def _make_fused_s(V, ACC, OT):
         return _make_fused(V, ACC, OT, 0)
 
     def _make_fused_t(V, ACC, OT):
         return _make_fused(V, ACC, OT, 1)
+
+    def _make_planes_1(V, ACC, OT):
+        return _make_planes(V, ACC, OT, 1)
+
+    def _make_planes_vg(V, ACC, OT):  # 16 bytes of gamma and mu (out's dtype) a load
+        return _make_planes(V, ACC, OT, 16 // (OT.bitwidth // 8))
 
 
 # ---------------------------------------------------------------------------------------
@@ -745,6 +912,10 @@ def _signature(name, elems, acc):
                 i64, i64, A)
     elif name == "stream":  # out, c
         args = (ptr[0], i64, t6, ptr[1], i64, i64, i64, A, a_ptr, geo, i64, i64, A)
+    elif name.startswith("planes"):  # out, gamma, mu, c
+        o, g, m, c = ptr
+        args = (o, i64, t6, g, i64, t6, i64, m, i64, t4, c, i64, i64, i64, A, geo, i64, i64,
+                i64, i64, A)
     elif name == "vjp_gamma":  # grad_S, grad_gamma
         args = (ptr[0], i64, t6, ptr[1], i64, t6, geo, A)
     else:  # vjp_mu: grad_S, mu, grad_mu
@@ -755,7 +926,7 @@ def _signature(name, elems, acc):
 #: The forward kernels' factories, called as factory(V, ACC, OT): vector width, the
 #: accumulation type and the first pointer's element type (compile-time constants).
 _FACTORIES = {"gsum": "_make_gsum", "fused": "_make_fused_s", "fused_t": "_make_fused_t",
-              "stream": "_make_stream"}
+              "stream": "_make_stream", "planes": "_make_planes_1", "planes_vg": "_make_planes_vg"}
 
 
 def _kernel_function(name, elems, acc, V=1):
@@ -769,7 +940,9 @@ def _kernel_function(name, elems, acc, V=1):
 def _launch_bounds(name):
     """Numba's ``launch_bounds`` of kernel ``name``: (threads a block, blocks a
     multiprocessor), the registers ptxas may use; cupy's: 2 blocks for the direct
-    source, 3 from T (more spills)."""
+    source, 3 from T (more spills); planes: 4 (64 registers), as cc_planes'."""
+    if name.startswith("planes"):
+        return (_plan.THREADS, 4)
     return (_plan.THREADS, 2 if name.startswith("fused") else 1)
 
 
@@ -997,14 +1170,15 @@ _OUT, _GAMMA, _MU, _C, _S, _T, _CVAL = (_Slot(i) for i in range(7))
 
 
 class _Launch:
-    """One kernel launch of a plan: the kernel, its grid and block, and its arguments
-    with _Slot markers where a call's addresses (and the number c) go."""
+    """One kernel launch of a plan: the kernel, its grid and block, the bytes of dynamic
+    shared memory a block (``smem``), and its arguments with _Slot markers where a call's
+    addresses (and the number c) go."""
 
-    __slots__ = ("name", "elems", "acc", "V", "grid", "block", "args", "kernel")
+    __slots__ = ("name", "elems", "acc", "V", "grid", "block", "args", "smem", "kernel")
 
-    def __init__(self, name, elems, acc, V, grid, block, args):
+    def __init__(self, name, elems, acc, V, grid, block, args, smem=0):
         self.name, self.elems, self.acc, self.V = name, elems, acc, V
-        (self.grid, self.block), self.args = _dims(grid, block), args
+        (self.grid, self.block), self.args, self.smem = _dims(grid, block), args, smem
         self.kernel = _kernel(name, elems, acc, V)  # compiled now, not mid-call
 
     def __call__(self, stream, values):
@@ -1012,9 +1186,9 @@ class _Launch:
         through Numba's kernel call (one signature: no type resolution)."""
         args = tuple([values[a.i] if type(a) is _Slot else a for a in self.args])
         if SIM:
-            self.kernel[self.grid, self.block](*args)
+            self.kernel[self.grid, self.block, 0, self.smem](*args)
         else:
-            self.kernel[self.grid, self.block, stream, 0](*args)
+            self.kernel[self.grid, self.block, stream, self.smem](*args)
 
 
 class _Plan:
@@ -1076,9 +1250,16 @@ def _make_plan(p, dev_id):
     s_pad = -(-B * G * HoWo * HoWo * a_size // 256) * 256 // a_size if stream else 0
     launches = []
 
-    def add(name, elems, V, dims, args):
-        launches.append(_Launch(name, elems, acc, V, *dims, args))
+    def add(name, elems, V, dims, args, smem=0):
+        launches.append(_Launch(name, elems, acc, V, *dims, args, smem))
 
+    pl = _planes(p, ost, gst, mst, a_size, capacity) if src_t and _plan.by_planes(Cog) else None
+    if pl is not None:  # S from gamma through shared memory (cupy's cc_planes), in place of T
+        add("planes_vg" if pl.VG > 1 else "planes", (out_t, gamma_t, mu_t, c_t), pl.V,
+            (pl.grid, (_plan.THREADS,)),
+            (_OUT, obase, ost, gsrc, gbase, gst, has_g, _MU, mbase, mst, csrc, cbase, cst,
+             has_c, _CVAL, geo, pl.runp, pl.wq, pl.nchunk, pl.chunk, zero), pl.smem)
+        return _Plan(launches)
     if src_t:  # T, V elements of gamma (and mu) a load
         if p.gamma is None:
             V = vector_width(ITEMSIZE[mi.dtype], HW, mst[2:], (H, W), mst[:2], mi.ptr)
@@ -1116,6 +1297,25 @@ def _make_plan(p, dev_id):
     add("stream", (out_t, c_t), v3, _plan.stream_grid(B * G * Cog, rows, seg // v3),
         (_OUT, obase, ost, csrc, cbase, cst, has_c, _CVAL, _S, geo, rows, seg, zero))
     return _Plan(launches, s_pad + n_t, s_pad * a_size)
+
+
+def _planes(p, ost, gst, mst, acc_size, capacity):
+    """The planes kernel's sizes for p (``_plan.planes``, as cupy's ``_planes``), or None
+    where its planes do not fit in shared memory: V along a row of out, VG along a row of
+    gamma's (and mu's) (x1, y1) plane, kept only where gamma and mu have out's dtype and a
+    vector is 16 bytes (VG 2, 4 or 8: widths _LDV has), else 1."""
+    oi, gi, mi = p.out_info, p.gamma_info, p.mu_info
+    o_size, m_size = ITEMSIZE[oi.dtype], ITEMSIZE[mi.dtype]
+    v_row = vector_width(o_size, p.Wo, ost[5:], (p.Wo,), ost[:5], oi.ptr)
+    if p.gamma is None:
+        vg = vector_width(m_size, p.W, mst[3:], (p.W,), mst[:3], mi.ptr)
+    else:  # (cupy passes out's itemsize: the same where the width is kept)
+        vg = vector_width(ITEMSIZE[gi.dtype], p.W, gst[5:], (p.W,), gst[:5], gi.ptr,
+                          ((m_size, mst[3:], mst[:3], mi.ptr),))
+    stored = {mi.dtype} | ({gi.dtype} if gi else set())
+    vg = vg if stored == {oi.dtype} and vg * o_size == 16 else 1
+    return _plan.planes(p.B, p.G, p.Co // p.G, p.W, p.Ho, p.Wo, p.kh, p.kw, p.sh, p.sw, p.pw,
+                        p.dh, p.dw, v_row, vg, acc_size, capacity)
 
 
 def _launch_plan(plan, kind, handle, dev_id, acc, optr, gptr, mptr, cptr, c_value):
