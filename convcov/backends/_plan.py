@@ -11,6 +11,11 @@ A forward call is at most three launches, each chosen from the problem's quantit
 3. where a group has many output channels (:func:`stream_s`), the fused kernel writes S
    instead and a third kernel streams ``out`` in address order (:func:`stream_grid`).
 
+Where a group has one output channel and S would come from T (:func:`by_planes`), one
+launch replaces them: the planes of ``gamma + mu (x) mu`` that a diagonal of S's planes
+reads are summed into shared memory once each and S is formed from there
+(:func:`planes`); it falls back to T where they do not fit.
+
 No list of shapes: every layer takes this code path.
 """
 

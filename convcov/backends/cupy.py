@@ -708,8 +708,7 @@ __global__ void __launch_bounds__(THREADS, SRC_T ? FUSED_T_BLOCKS : 2) cc_fused(
 // meets a padded zero). Each element of S is then kh*kw reads of shared memory, and
 // c[c0] * S goes into out for the chunk's channels (add_cs). gamma is read U / R times
 // (the overlap from L2, where the neighbouring run read it), and nothing the size of T or
-// S goes through memory. Grid: x over (diagonal, run), z over
-// (b, g, chunk); both loop.
+// S goes through memory. Grid: x over (diagonal, run), z over (b, g, chunk); both loop.
 #ifdef __CUDA_ARCH__
 extern __shared__ __align__(16) unsigned char planes_smem[];
 #define BLOCK_SYNC() __syncthreads()
@@ -723,6 +722,7 @@ static unsigned char planes_smem[1 << 16];
 #define COOP_FIRST 0
 #define COOP_STEP 1
 #endif
+// Blocks a multiprocessor, so 64 registers: 3 (80 registers) took mb-dw 1605 -> 1764 us (H200).
 #ifndef PLANES_BLOCKS
 #define PLANES_BLOCKS 4
 #endif
