@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .._arrays import ITEMSIZE, vector_width
+
 THREADS = 256  # threads a block
 UNROLL = 4  # output channels whose loads of out are in flight together (UNROLL_OUT)
 STREAM_U = 4  # cc_stream's vectors in flight a thread (STREAM_U)
@@ -149,6 +151,23 @@ def planes(B, G, Cog, W, Ho, Wo, kh, kw, sh, sw, pw, dh, dw, v_row, vg, acc_size
     nchunk = _cdiv(Cog, chunk)
     grid = (min(nx, MAX_GRID_X), 1, min(B * G * nchunk, MAX_GRID_YZ))
     return Planes(V, vg, R, wq, smem(R), grid, nchunk, chunk)
+
+
+def planes_for(p, so, sg, sm, acc_size, capacity):
+    """:func:`planes` for the validated call ``p`` (``Problem``) and its arrays' element
+    strides ``so``, ``sg``, ``sm`` (channel diagonals folded), or None: V along a row of
+    out's (i1, j1) plane; VG along a row of gamma's and mu's (x1, y1) plane, kept only
+    where both have out's dtype and a vector is 16 bytes, else 1."""
+    oi, gi, mi = p.out_info, p.gamma_info, p.mu_info
+    o_size, m_size = ITEMSIZE[oi.dtype], ITEMSIZE[mi.dtype]
+    v_row = vector_width(o_size, p.Wo, (so[5],), (p.Wo,), so[:5], oi.ptr)
+    mu_row = (m_size, (sm[3],), sm[:3], mi.ptr)
+    vg = (vector_width(ITEMSIZE[gi.dtype], p.W, (sg[5],), (p.W,), sg[:5], gi.ptr, (mu_row,))
+          if gi else vector_width(m_size, p.W, (sm[3],), (p.W,), sm[:3], mi.ptr))
+    same = {mi.dtype} | ({gi.dtype} if gi else set()) == {oi.dtype}
+    vg = vg if same and vg * o_size == 16 else 1
+    return planes(p.B, p.G, p.Co // p.G, p.W, p.Ho, p.Wo, p.kh, p.kw, p.sh, p.sw, p.pw,
+                  p.dh, p.dw, v_row, vg, acc_size, capacity)
 
 
 def by_planes(Cog) -> bool:

@@ -1303,7 +1303,7 @@ class CupyBackend(Backend):
         # gamma and mu typed when they share the written array's dtype; else run-time typed.
         stored = {mi.dtype} | ({gi.dtype} if gi else set())
         src_t = 0 if _plan.direct_source(B, G, Cg, H, W, Ho, Wo, p.kh, p.kw) and fits else 1
-        pl = self._planes(p, so, sg, sm, stored, acc_size, capacity) \
+        pl = _plan.planes_for(p, so, sg, sm, acc_size, capacity) \
             if src_t and _plan.by_planes(Cog) else None
         if pl is not None:  # S from gamma through shared memory (cc_planes), in place of T
             tg = o_cxx if stored == {oi.dtype} else "anyt"
@@ -1355,19 +1355,6 @@ class CupyBackend(Backend):
                                ("fast", o_cxx, acc_cxx), 0, grid=t.grid, block=t.block,
                                nchunk=t.nchunk, chunk=t.chunk))
         return _Plan(launches, 0, t_items, acc)
-
-    def _planes(self, p, so, sg, sm, stored, acc_size, capacity):
-        """cc_planes' sizes for p (``_plan.planes``), or None where its planes do not fit."""
-        oi, gi, mi = p.out_info, p.gamma_info, p.mu_info
-        o_size, m_size = _DTYPES[oi.dtype][2], _DTYPES[mi.dtype][2]
-        v_row = vector_width(o_size, p.Wo, (so[5],), (p.Wo,), so[:5], oi.ptr)
-        # gamma's (and mu's) vectors along y1 in the fill: 16 bytes, or one element.
-        vg = vector_width(o_size, p.W, (sg[5],), (p.W,), sg[:5], gi.ptr,
-                          ((m_size, (sm[3],), sm[:3], mi.ptr),)) if gi else \
-            vector_width(m_size, p.W, (sm[3],), (p.W,), sm[:3], mi.ptr)
-        vg = vg if stored == {oi.dtype} and vg * o_size == 16 else 1
-        return _plan.planes(p.B, p.G, p.Co // p.G, p.W, p.Ho, p.Wo, p.kh, p.kw, p.sh, p.sw,
-                            p.pw, p.dh, p.dw, v_row, vg, acc_size, capacity)
 
     def _vjp_plan(self, a, dev):
         """Launches for one backward call signature (see cc_vjp_gamma in SOURCE)."""

@@ -1253,7 +1253,8 @@ def _make_plan(p, dev_id):
     def add(name, elems, V, dims, args, smem=0):
         launches.append(_Launch(name, elems, acc, V, *dims, args, smem))
 
-    pl = _planes(p, ost, gst, mst, a_size, capacity) if src_t and _plan.by_planes(Cog) else None
+    pl = (_plan.planes_for(p, ost, gst, mst, a_size, capacity)
+          if src_t and _plan.by_planes(Cog) else None)
     if pl is not None:  # S from gamma through shared memory (cupy's cc_planes), in place of T
         add("planes_vg" if pl.VG > 1 else "planes", (out_t, gamma_t, mu_t, c_t), pl.V,
             (pl.grid, (_plan.THREADS,)),
@@ -1297,25 +1298,6 @@ def _make_plan(p, dev_id):
     add("stream", (out_t, c_t), v3, _plan.stream_grid(B * G * Cog, rows, seg // v3),
         (_OUT, obase, ost, csrc, cbase, cst, has_c, _CVAL, _S, geo, rows, seg, zero))
     return _Plan(launches, s_pad + n_t, s_pad * a_size)
-
-
-def _planes(p, ost, gst, mst, acc_size, capacity):
-    """The planes kernel's sizes for p (``_plan.planes``, as cupy's ``_planes``), or None
-    where its planes do not fit in shared memory: V along a row of out, VG along a row of
-    gamma's (and mu's) (x1, y1) plane, kept only where gamma and mu have out's dtype and a
-    vector is 16 bytes (VG 2, 4 or 8: widths _LDV has), else 1."""
-    oi, gi, mi = p.out_info, p.gamma_info, p.mu_info
-    o_size, m_size = ITEMSIZE[oi.dtype], ITEMSIZE[mi.dtype]
-    v_row = vector_width(o_size, p.Wo, ost[5:], (p.Wo,), ost[:5], oi.ptr)
-    if p.gamma is None:
-        vg = vector_width(m_size, p.W, mst[3:], (p.W,), mst[:3], mi.ptr)
-    else:  # (cupy passes out's itemsize: the same where the width is kept)
-        vg = vector_width(ITEMSIZE[gi.dtype], p.W, gst[5:], (p.W,), gst[:5], gi.ptr,
-                          ((m_size, mst[3:], mst[:3], mi.ptr),))
-    stored = {mi.dtype} | ({gi.dtype} if gi else set())
-    vg = vg if stored == {oi.dtype} and vg * o_size == 16 else 1
-    return _plan.planes(p.B, p.G, p.Co // p.G, p.W, p.Ho, p.Wo, p.kh, p.kw, p.sh, p.sw, p.pw,
-                        p.dh, p.dw, v_row, vg, acc_size, capacity)
 
 
 def _launch_plan(plan, kind, handle, dev_id, acc, optr, gptr, mptr, cptr, c_value):
