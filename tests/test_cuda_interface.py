@@ -31,18 +31,16 @@ _SPIN = r'''extern "C" __global__ void spin(long long n) {
     long long t0 = clock64(); while (clock64() - t0 < n) {} }'''
 
 
-@pytest.fixture(params=["direct", "three"])
+@pytest.fixture(params=["fused", "stream"])
 def path(request, monkeypatch):
-    """Force, in both CUDA backends, one launch with no scratch memory (``direct``) or
-    three launches with T and S in scratch memory (``three``)."""
+    """Force, in both CUDA backends, one launch with no scratch memory (``fused``) or two
+    launches with S in scratch memory (``stream``)."""
     from convcov import _frontend, _registry
     from convcov.backends import _plan
     from convcov.backends import numba_cuda as numba_cuda_mod
 
-    direct = request.param == "direct"
-    # both: S from gamma and mu straight into out, or T, then S written, then out streamed
-    monkeypatch.setattr(_plan, "direct_source", lambda *args: direct)
-    monkeypatch.setattr(_plan, "stream_s", lambda *args: not direct)
+    # both: c * S straight into out, or S written, then out streamed
+    monkeypatch.setattr(_plan, "STREAM_BYTES", 1 << 60 if request.param == "fused" else 0)
     # plans and bound launchers remember the path chosen
     monkeypatch.setattr(_registry.get("cupy"), "_plans", {})
     monkeypatch.setattr(numba_cuda_mod, "_plans", {})
@@ -247,7 +245,7 @@ def test_a_stream_being_captured_is_refused(backend, path):
 
 
 @backend_names
-@pytest.mark.parametrize("path", ["direct"], indirect=True)
+@pytest.mark.parametrize("path", ["fused"], indirect=True)
 def test_first_call_beside_a_global_capture(backend, path, monkeypatch):
     """Another thread captures a CUDA graph in global mode (torch.cuda.graph's default:
     while it captures, a potentially unsafe CUDA call from any thread in the default mode
@@ -339,7 +337,7 @@ def test_backward_orders_both_gradients_streams(backend):
                                atol=2e-5 * np.abs(want_gg).max())
 
 
-@pytest.mark.parametrize("path", ["three"], indirect=True)
+@pytest.mark.parametrize("path", ["stream"], indirect=True)
 def test_cupy_scratch_comes_from_one_pool_arena(path):
     """Calls on generic CUDA arrays that name a new stream each time take the cupy
     backend's scratch from the arena of CuPy's current stream (ordered by events), so

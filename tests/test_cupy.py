@@ -48,18 +48,15 @@ def test_module_import_does_not_import_cupy():
 
 # ------------------------------------------------------------------ helpers
 #: The plans _force can force (every test of the host build takes each).
-PATHS = ["direct", "via-t", "direct-stream", "via-t-stream", "planes"]
+PATHS = ["fused", "stream", "tiles", "segments"]
 
 
-@pytest.fixture(params=["direct", "direct-unsplit", "via-t", "via-t-stream", "planes"])
+@pytest.fixture(params=PATHS)
 def path(request, monkeypatch):
-    """Force one source of S: gamma and mu (one launch, cc_fused), T (cc_gsum, then
-    cc_fused) or the planes of P in shared memory ("planes": cc_planes, one launch).
-    "direct-unsplit" pretends the device has one small multiprocessor, so that no group's
-    output channels are split into chunks."""
+    """Force one plan of the walk (_force): c * S added into out by cc_walk ("fused") or S
+    through memory and cc_stream ("stream"); planes in small tiles, one plane of S a step
+    ("tiles"); diagonals in segments of one plane ("segments")."""
     _force(monkeypatch, request.param)
-    if request.param == "direct-unsplit":
-        monkeypatch.setattr(BACKEND, "_sm_threads", lambda dev: (1, 256))
     BACKEND._plans.clear()  # plans remember the path chosen
     monkeypatch.setattr(_frontend, "_bound", {})  # ... and so do the bound launchers
     yield request.param
@@ -336,7 +333,7 @@ def test_threads_at_once():
 
 @gpu
 @need_torch
-@pytest.mark.parametrize("path", ["direct", "via-t"], indirect=True)
+@pytest.mark.parametrize("path", ["fused", "stream"], indirect=True)
 def test_threads_share_a_bound_signature(path):
     """Eight threads call one signature at once, each with its own arrays, half of them on
     one stream: the bound launcher's calls each fill their own copy of the plan's Args, and
@@ -360,7 +357,7 @@ def test_threads_share_a_bound_signature(path):
 
 @gpu
 @need_torch
-@pytest.mark.parametrize("path", ["via-t"], indirect=True)
+@pytest.mark.parametrize("path", ["stream"], indirect=True)
 def test_captured_calls_take_the_graphs_memory(path):
     """Bound calls captured into CUDA graphs (torch.cuda.graph, as docs/cupy.md suggests
     for repeated small calls) take their scratch from each graph's own pool: two graphs of
@@ -398,7 +395,7 @@ def test_captured_calls_take_the_graphs_memory(path):
 
 @gpu
 @need_torch
-@pytest.mark.parametrize("path", ["direct", "via-t"], indirect=True)
+@pytest.mark.parametrize("path", ["fused", "stream"], indirect=True)
 def test_repeated_calls_under_torch_compile_reduce_overhead(path):
     """docs/cupy.md's other way for repeated small calls: a step that calls accumulate,
     compiled with torch.compile(mode="reduce-overhead") (torch's CUDA graphs), called
@@ -648,7 +645,7 @@ def _run_on_host(host_kernels, p, sms, src=None):
     cptr = 0 if p.c_info is None else p.c_info.ptr
     args = mod._fill(plan, mod._CALL_SLOTS,
                      (p.out_info.ptr, 0 if p.gamma_info is None else p.gamma_info.ptr,
-                      p.mu_info.ptr, cptr, base + plan.t_offset, base,
+                      p.mu_info.ptr, cptr, base,
                       p.out_info.ptr if src is None else src.ctypes.data,
                       mod._c_bits(cptr, p.c_value)))
     mod._launch_all(plan, args)
@@ -762,7 +759,7 @@ def test_bound_launcher_on_host(host_kernels, monkeypatch, forced, c_form):
         assert state == {"device": 0, "stream": None}
         _took([name for name, _ in launched], forced)
         assert all(at == (1, 71) for _, at in launched), launched
-        if forced in ("direct", "planes"):  # no scratch
+        if forced != "stream":  # no scratch
             assert not taken
         else:
             ((nbytes, dev, stream, owner),) = taken
@@ -825,7 +822,7 @@ def test_cuda_source_on_host_random(host_kernels, monkeypatch, seed):
                                       gamma=[None, "full", "diag"][i(0, 2)],
                                       c_form=["number", "0d", "1d"][i(0, 2)], **dims)
     if i(0, 1):
-        _force(monkeypatch, ["direct", "via-t", "planes"][i(0, 2)])
+        _force(monkeypatch, PATHS[i(0, 3)])
     sms = [(4, 256), (1, 256), (132, 2048)][i(0, 2)]
     run = lambda: _run_on_host(host_kernels, _frontend.normalise(  # noqa: E731
         out, g, mu, c, k, conv["stride"], conv["padding"], conv["dilation"], conv["groups"]),
@@ -836,30 +833,24 @@ def test_cuda_source_on_host_random(host_kernels, monkeypatch, seed):
 # ------------------------------------------------------------------ negative strides, Inf next
 # to the padding, and the literal loops: on the host build (CI) and on a GPU
 def _force(monkeypatch, forced):
-    """Force a plan: the source of S (``_plan.direct_source``: "direct..." from gamma and
-    mu, "via-t..." from T) and whether S goes through memory ("...-stream": cc_fused
-    writes S, cc_stream updates out; ``_plan.stream_s``); or "planes", where S would come
-    from T: cc_planes (``_plan.by_planes``)."""
+    """Force a plan (PATHS): S through memory wherever out's rows allow it ("stream") or
+    never (the others); the walk's tiles as small as they go, one plane of S a step
+    ("tiles": _plan.WALK_SMEM); every diagonal in segments of one plane ("segments")."""
     from convcov.backends import _plan
 
-    direct, stream = forced.startswith("direct"), forced.endswith("-stream")
-    monkeypatch.setattr(_plan, "direct_source", lambda *args: direct)
-    monkeypatch.setattr(_plan, "stream_s", lambda *args: stream)
-    monkeypatch.setattr(_plan, "by_planes", lambda *args: forced == "planes")
+    monkeypatch.setattr(_plan, "STREAM_BYTES", 0 if forced == "stream" else 1 << 60)
+    if forced == "tiles":
+        monkeypatch.setattr(_plan, "WALK_SMEM", 1)
+    if forced == "segments":
+        monkeypatch.setattr(_plan, "WALK_BLOCKS_PER_SM", 1 << 30)
 
 
 def _took(names, forced, rows_contiguous=True):
     """The launches (_run_on_host's names) are the forced plan's (S through memory only
     where out's rows are contiguous)."""
-    names = list(names)
-    if forced == "planes":
-        assert [n.split("<")[0] for n in names] == ["cc_planes"], names
-        return
-    if forced.startswith("via-t"):
-        assert names.pop(0).startswith("cc_gsum<"), names
-    assert names.pop(0).startswith("cc_fused<"), names
-    stream = forced.endswith("-stream") and rows_contiguous
-    assert [n.split("<")[0] for n in names] == (["cc_stream"] if stream else []), names
+    stream = forced == "stream" and rows_contiguous
+    assert [n.split("<")[0] for n in names] == (["cc_walk", "cc_stream"] if stream
+                                                else ["cc_walk"]), names
 
 
 #: Axes to reverse, by an array's number of dimensions.

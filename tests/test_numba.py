@@ -5,12 +5,13 @@ numpy reference on random problems; this file covers what is particular to this 
 the float16 / bfloat16 bit conversions (exhaustively where possible), rounding once
 into 16-bit outputs, torch bfloat16 CPU tensors, concurrent calls from several threads
 and after a fork, any strides (negative ones too), the literal-loop ground truth,
-non-finite values next to the padding, and that one compile serves every shape; and the
-backward (``patch_moment_vjp``) against the numpy reference's: layouts, strides (zero and
-negative), dtypes, non-finite values next to the padding, chunks, threads. The cases
-cover both ways the kernels form S (windows overlapping at stride 1; strides with gaps
-between the windows), and a large input with a small output must not take memory of the
-order of the input's (H*W)**2.
+non-finite values next to the padding, a result apart from out (dask's tasks), the walk
+split into segments with both prefetches on, and that one compile serves every shape;
+and the backward (``patch_moment_vjp``) against the numpy reference's: layouts, strides
+(zero and negative), dtypes, non-finite values next to the padding, chunks, threads. The
+cases cover windows that overlap (stride 1), strides with gaps between the
+windows, padding wider than the kernel, and a large input with a small output, which
+must not take memory of the order of the input's (H*W)**2.
 """
 
 from __future__ import annotations
@@ -39,19 +40,6 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning",
                                "ignore:invalid value encountered:RuntimeWarning"),
 ]
-
-
-@pytest.fixture(autouse=True)
-def _gaps_take_the_direct_plan(request, monkeypatch):
-    """The cases with gaps between the windows stand for the direct plan's calls (strides
-    far above 1 on large inputs), at sizes where the plan rule may weigh either way: they
-    take the direct plan. Bound launchers start afresh."""
-    callspec = getattr(request.node, "callspec", None)
-    if callspec is not None and "gaps" in str(callspec.params.get("case", "")):
-        from convcov import _frontend
-
-        monkeypatch.setattr(nbb, "DIRECT_COST", 0)
-        monkeypatch.setattr(_frontend, "_bound", {})
 
 
 # --------------------------------------------------------------------------- references
@@ -267,6 +255,13 @@ CASES = {
                                dilation=(2, 3), groups=2, full=False),
     "gaps-no-gamma": dict(B=1, Ci=8, Co=2, H=12, W=9, k=3, stride=4, padding=1, gamma=False,
                           full=False),
+    # padding wider than the kernel reaches: output rows and columns whose every term
+    # lies in the padding, and T's rows wider than the input
+    "wide-padding": dict(B=1, Ci=6, Co=3, H=4, W=5, k=(2, 3), stride=(1, 2),
+                         padding=(3, 4), groups=3, full=False),
+    # a kernel much wider than tall, and taller than wide
+    "1x7": dict(B=1, Ci=2, Co=2, H=9, W=10, k=(1, 7), padding=(0, 3), dilation=(1, 2)),
+    "7x1": dict(B=2, Ci=3, Co=3, H=10, W=6, k=(7, 1), stride=(2, 1), padding=(3, 0)),
 }
 
 
@@ -417,18 +412,22 @@ def test_non_finite_values_propagate_like_the_reference(case):
     np.testing.assert_allclose(got[fin], ref[fin], rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("stride", [(2, 1), (4, 3)], ids=["overlapping", "gaps"])
+@pytest.mark.parametrize("stride", [(2, 1), (1, 2), (4, 3)], ids=["rows", "columns", "gaps"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
-def test_several_chunks_and_prefetching(monkeypatch, dtype, stride):
-    """Small problems run as one chunk without prefetching; force both code paths. (Five
-    channels a group: four-channel passes, whose prefetch is spread over their sums, with
-    planes ahead past a task's end, and single ones, which prefetch in a burst; with gaps
-    between the windows, the windows of the S rows ahead.)"""
-    monkeypatch.setattr(nbb, "CHUNK_BYTES", 1)  # one (b, g) pair per chunk
+def test_segments_and_prefetching(monkeypatch, dtype, stride):
+    """Small problems run as one segment of i0 a (b, g) pair, without prefetching out;
+    force both: a walk split into segments (rows x0 that two segments read are formed in
+    both), prefetches of out's runs, on into the next block, and of gamma's rows a row y0
+    ahead. (Five channels a group: a four-channel pass, then one.)"""
+    from convcov import _frontend
+
+    monkeypatch.setattr(_frontend, "_bound", {})  # launchers bound afresh
+    monkeypatch.setattr(nbb, "_threads", lambda: 23)  # a segment per one or two rows i0
     monkeypatch.setattr(nbb, "PREFETCH_FROM_BYTES", 0)
     monkeypatch.setattr(nbb, "PREFETCH_BYTES", 64)
+    monkeypatch.setattr(nbb, "GAMMA_PF_SPAN", 1 << 40)
     rng = np.random.default_rng(15)
-    H, W = (6, 5) if stride == (2, 1) else (9, 11)
+    H, W = (9, 11) if stride == (4, 3) else (6, 7)
     case = dict(B=3, Ci=10, Co=4, H=H, W=W, k=3, stride=stride, padding=1, groups=2)
     out, g, mu, c, k, kw = _problem(rng, dtype=dtype, **case)
     g = np.ascontiguousarray(g[:, ::-1, :, :, ::-1])[:, ::-1, :, :, ::-1]  # negative strides
@@ -438,6 +437,23 @@ def test_several_chunks_and_prefetching(monkeypatch, dtype, stride):
         assert _within_one_step(got, exact, to_f16_exact, 11, -24).all()
     else:
         np.testing.assert_allclose(got, exact, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
+def test_result_apart_from_out(dtype):
+    """accumulate_apart (dask's tasks): the result goes to another array, out is only
+    read; the same bits as the call in place."""
+    from convcov import _frontend
+
+    rng = np.random.default_rng(16)
+    out, g, mu, c, k, kw = _problem(rng, dtype=dtype, **CASES["dilation-groups"])
+    out = np.ascontiguousarray(out[:, :, :, :, 0])  # the diagonal layout
+    before = out.copy()
+    want = convcov.accumulate(out.copy(), g, mu, c, k, backend="numba", **kw)
+    conv = (k, kw["stride"], kw["padding"], kw["dilation"], kw["groups"])
+    new = _frontend.accumulate_apart(np.full_like(out, np.nan), out, g, mu, c, *conv, "numba")
+    np.testing.assert_array_equal(out, before)
+    np.testing.assert_array_equal(new, want)
 
 
 def test_scalar_c_beyond_float32_does_not_make_nan():
@@ -450,18 +466,13 @@ def test_scalar_c_beyond_float32_does_not_make_nan():
     assert np.isfinite(out).all() and (out > 0).all()
 
 
-@pytest.mark.parametrize("direct", [False, True], ids=["M", "direct"])
 @pytest.mark.parametrize("stride", [1, 2])
 @pytest.mark.parametrize("with_gamma", [True, False], ids=["gamma", "no-gamma"])
-def test_non_finite_values_next_to_the_padding(monkeypatch, direct, stride, with_gamma):
+def test_non_finite_values_next_to_the_padding(stride, with_gamma):
     """A term with a position in the padding is absent, not 0 * Inf = NaN: Inf and NaN on
-    the border of mu and gamma give Inf and NaN exactly where the reference has them (the
-    M plan's padded planes and the direct plan's clipped windows, with and without
-    gamma)."""
-    from convcov import _frontend
-
-    monkeypatch.setattr(nbb, "DIRECT_COST", 0 if direct else 10**9)
-    monkeypatch.setattr(_frontend, "_bound", {})
+    the border of mu and gamma give Inf and NaN exactly where the reference has them (Q's
+    zero border, T's edge columns formed apart, rows x0 and x1 in the padding skipped),
+    with and without gamma."""
     rng = np.random.default_rng(8)
     mu = rng.random((1, 2, 5, 6))
     gamma = rng.random((1, 2, 5, 6, 5, 6)) * 0.1

@@ -1,17 +1,17 @@
 """The ``numba_cuda`` backend: what the shared property test does not reach.
 
 Without a GPU (CI) the kernels run under Numba's CUDA simulator on numpy and torch CPU
-arrays (tests/conftest.py switches it on): each branch of the plan (S straight from gamma
-and mu, from T, or through shared memory by planes; S fused into out, or through memory
-and streamed into out) is forced through ``convcov.backends._plan`` on the same small
-problems of signed inputs, with every layout, ``c`` form, dtype (bfloat16 through torch)
-and conv parameter, the vector widths, split channel chunks, padding next to Inf, and a
-float64 sum that must reach bfloat16 with one rounding; the kernels compiled for sm_90
-without a GPU (tests/_compile_numba_cuda.py) cover every one the plans ask for, over every
-dtype mix. With a GPU the same checks run on torch CUDA tensors, plus what only a device can show:
-CuPy arrays and numba device arrays, a launch on a non-default torch stream, an ``out`` of
-more than 2**31 elements, several threads at once. Tests that need what is missing skip
-and say why."""
+arrays (tests/conftest.py switches it on): each plan of the walk (c * S added into out by
+``walk``, or S stored and streamed into out by ``stream``; planes in the smallest tiles;
+diagonals in segments of one plane) is forced through ``convcov.backends._plan``, as
+tests/test_cupy.py forces cupy's, on the same small problems of signed inputs, with every
+layout, ``c`` form, dtype (bfloat16 through torch) and conv parameter, the vector widths,
+padding next to Inf, and a float64 sum that must reach bfloat16 with one rounding; the
+kernels compiled for sm_90 without a GPU (tests/_compile_numba_cuda.py) cover every one
+the plans ask for, over every dtype mix. With a GPU the same checks run on torch CUDA
+tensors, plus what only a device can show: CuPy arrays and numba device arrays, a launch on
+a non-default torch stream, an ``out`` of more than 2**31 elements, several threads at
+once. Tests that need what is missing skip and say why."""
 
 from __future__ import annotations
 
@@ -76,9 +76,9 @@ def test_every_kernel_compiles_for_the_gpu():
     typing error in a kernel would first show on a GPU machine. Its own process: the
     simulator is switched on in this one (conftest.py). ``python
     tests/_compile_numba_cuda.py --all`` compiles every variant the plans can ask for
-    (662, about six times as long: 5 min here, 2026-12-01)."""
+    (eight times as many). Here (2 cores, 2026-12-02) the 218 variants took 7 minutes."""
     r = subprocess.run([sys.executable, _beside("_compile_numba_cuda.py")], env=_no_simulator(),
-                       capture_output=True, text=True, timeout=900)
+                       capture_output=True, text=True, timeout=1800)
     if r.returncode == 77:
         pytest.skip(r.stdout.strip())
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
@@ -90,16 +90,17 @@ def test_every_kernel_compiles_for_the_gpu():
 def _requested_kernels(monkeypatch):
     """Every kernel (name, pointer element types, accumulation dtype, V) the plans ask
     numba_cuda._kernel for over a sweep of calls, launching nothing (simulator, torch CPU
-    tensors: bfloat16 comes from torch). Forward, S straight from gamma: every dtype of
-    out, gamma, mu and c at each vector width of out (the address V elements past a
-    32-byte boundary), and every one without float64 with a number c beyond float32's
-    range (float64 sums). Each gamma and mu dtype (gsum) at each width, and each out and
-    c dtype (fused, fused_t, stream; diagonal and full layouts) at each width with float32
-    and float64 sums (a float64 array beside them), and S written. Backward: each dtype
-    of grad_S and grad_gamma, and of grad_S, mu and grad_mu, with float32 and float64
-    sums. The planes kernel: every dtype mix at each width of out, with gamma one element
-    off (VG 1), and where gamma and mu have out's dtype aligned (VG 16 bytes), with float64
-    sums as above. And the other forms: gamma None, full gamma, a number c, a 0-d c."""
+    tensors: bfloat16 comes from torch). The walk adding into out: every dtype of out,
+    gamma, mu and c at each vector width of out (the address V elements past a 32-byte
+    boundary; rows of 8, 10, 12 and 16), gamma aligned (16- and 32-byte vectors of gamma
+    and mu where they share out's dtype) and one element off, and every one without
+    float64 with a number c beyond float32's range (float64 sums). S through memory, with
+    float32 and float64 sums (a float64 array beside them): the walk storing S for each
+    gamma and mu dtype, aligned and not, at each width of S (rows of those sizes and one
+    less), and stream for each out and c dtype
+    at each width of out (diagonal and full layouts). Backward: each dtype of grad_S and
+    grad_gamma, and of grad_S, mu and grad_mu, with float32 and float64 sums. And the
+    other forms: gamma None, full gamma, a number c, a 0-d c."""
     import itertools
 
     import torch
@@ -133,22 +134,22 @@ def _requested_kernels(monkeypatch):
         return buf[at:at + n].view(shape)
 
     mu_shape, s_shape = (1, 2, 4, 4), (1, 1, 4, 4, 4, 4)
-    diag, full_shape = (1, 2, 4, 4, 4, 4), (1, 2, 4, 4, 2, 4, 4)  # out's and gamma's
+    diag = (1, 2, 4, 4, 4, 4)  # grad_gamma's
 
-    def forward(o, g, m, c, direct, Vg=None, Vo=None, full=False, k=1, stream=False,
-                planes=False):
-        """One call (B 1, Ci = Co = 2, 4 x 4, padding keeping 4 x 4; ``planes``: by the
-        planes kernel, 16 x 16, so that no V is narrowed) on one plan branch: g None or
-        "full:" + type; c a type (shape (Co,)), "0d:" + type, or a number."""
-        n = 16 if planes else 4
+    def forward(o, g, m, c, stream=False, Vg=None, Vo=None, full=False, n=8, kw=1, pw=0):
+        """One call (B 1, Ci = Co = 2, n x n inputs, a 1 x kw kernel, padding pw along
+        rows) on one plan: g None or "full:" + type; c a type (shape (Co,)), "0d:" + type,
+        or a number."""
+        Wo = n - kw + 1 + 2 * pw
         with monkeypatch.context() as mp:
-            _force(mp, direct, stream, planes)
-            gamma = None if g is None else (arr(full_shape, g[5:]) if g.startswith("full:")
+            _force(mp, "stream" if stream else "fused")
+            gamma = None if g is None else (arr((1, 2, n, n, 2, n, n), g[5:])
+                                            if g.startswith("full:")
                                             else arr((1, 2) + (n,) * 4, g, Vg))
             cc = (c if not isinstance(c, str) else arr((), c[3:]) if c.startswith("0d:")
                   else arr((2,), c))
-            out = arr(full_shape if full else (1, 2) + (n,) * 4, o, Vo)
-            convcov.accumulate(out, gamma, arr((1, 2, n, n), m), cc, k, padding=k // 2,
+            out = arr((1, 2, n, Wo, 2, n, Wo) if full else (1, 2, n, Wo, n, Wo), o, Vo)
+            convcov.accumulate(out, gamma, arr((1, 2, n, n), m), cc, (1, kw), padding=(0, pw),
                                backend="numba_cuda")
 
     def backward(s, m, gg, gm):
@@ -157,39 +158,40 @@ def _requested_kernels(monkeypatch):
                          grad_mu=None if gm is None else arr(mu_shape, gm))
 
     no_f64 = ("float16", "uint16", "float32")  # with these alone: float32 sums
-    for o, g, m, c in itertools.product(TYPES, repeat=4):
-        for V in WIDTHS[o]:
-            forward(o, g, m, c, True, Vo=V)
-    for o, g, m in itertools.product(no_f64, repeat=3):
-        for V in WIDTHS[o]:
-            forward(o, g, m, 1e-39, True, Vo=V)  # below float32's normal range: f64 sums
-    for vg, Vg in (("planes", 1), ("planes_vg", None)):  # gamma one element off: VG 1
-        for o, g, m, c in itertools.product(TYPES, repeat=4):
-            if vg == "planes" or g == m == o:  # (VG > 1 only where they have out's dtype)
-                for V in WIDTHS[o]:
-                    forward(o, g, m, c, False, Vg=Vg, Vo=V, planes=True)
-                    if o in no_f64 and g in no_f64 and m in no_f64:
-                        forward(o, g, m, 1e-39, False, Vg=Vg, Vo=V, planes=True)
+    # Rows where out's 16-byte vectors stay 16 bytes and where they are doubled
+    # (_plan.widen), by out's dtype; gamma one element off (VG 1).
+    sizes = {"float16": (8, 16), "uint16": (8, 16), "float32": (12, 8), "float64": (10, 8)}
+    for o, g, m in itertools.product(TYPES, repeat=3):
+        # (c below float32's normal range: float64 sums)
+        for c in TYPES + (() if "float64" in (o, g, m) else (1e-39,)):
+            for n, V in itertools.product(sizes[o], WIDTHS[o]):
+                forward(o, g, m, c, Vg=1, Vo=V, n=n)
+    # gamma and mu aligned in out's dtype (16- and 32-byte vectors of them): rows of 8,
+    # 10, 12 and 16 inputs and 0, 2, 4 or 8 more outputs, so that each width of gamma's
+    # meets each width of out's (or of S's).
+    rows = list(itertools.product((8, 10, 12, 16), (0, 1, 2, 4)))
+    for t, c, (n, pw) in itertools.product(TYPES, TYPES + (1e-39,), rows):
+        for V in WIDTHS[t]:
+            forward(t, t, t, c, Vo=V, n=n, pw=pw)
     for acc in ("float32", "float64"):  # the dtype of the arrays beside, so of the sums
         types = no_f64 if acc == "float32" else TYPES
-        for g, m in itertools.product(types, repeat=2):
-            for V in WIDTHS[g]:
-                forward(acc, g, m, acc, False, Vg=V)  # gsum at each width of gamma
-        for direct in (True, False):
-            for o, c in itertools.product(types, repeat=2):
-                for V in WIDTHS[o]:  # the fused kernel and stream at each width of out
-                    for full, stream in itertools.product((False, True), repeat=2):
-                        forward(o, acc, acc, c, direct, Vo=V, full=full, stream=stream)
-            for g, m in itertools.product(types, repeat=2):  # S written: out and c are acc
-                forward(acc, g, m, acc, direct, stream=True)
+        for g, m in itertools.product(types, repeat=2):  # S stored, at each of its widths
+            for Vg, (n, pw) in itertools.product((None, 1), rows):
+                forward(acc, g, m, acc, stream=True, Vg=Vg, n=n, pw=pw)
+                if pw == 0:  # odd rows: one element a store
+                    forward(acc, g, m, acc, stream=True, Vg=Vg, n=n, kw=2)
+        for o, c in itertools.product(types, repeat=2):
+            for V in WIDTHS[o]:  # stream at each width of out
+                for full in (False, True):
+                    forward(o, acc, acc, c, stream=True, Vo=V, full=full)
         for s, g in itertools.product(types, repeat=2):
             backward(s, acc, g, None)
         for s, m, d in itertools.product(types, repeat=3):
             backward(s, m, acc if acc == "float64" else None, d)
     for t in TYPES:
-        for direct in (True, False):
-            forward(t, None, t, -0.5, direct)
-            forward(t, "full:" + t, t, "0d:" + t, direct, full=True)
+        for stream in (False, True):
+            forward(t, None, t, -0.5, stream)
+            forward(t, "full:" + t, t, "0d:" + t, stream, full=True)
     return asked
 
 
@@ -246,37 +248,53 @@ def _forget_plans(monkeypatch):
     monkeypatch.setattr(_frontend, "_bound", {})
 
 
-def _force(monkeypatch, direct, stream, planes=False):
-    """Force the plan's choices (``convcov.backends._plan``, as cupy's plan reads them): S
-    straight from gamma and mu (``direct``) or from T, S fused into out or through memory
-    and streamed into out (``stream``), and, where S would come from T, the planes kernel
-    in its place (``planes``: ``_plan.by_planes``)."""
+#: The plans _force can force (cupy's, tests/test_cupy.py).
+PATHS = ["fused", "stream", "tiles", "segments"]
+
+
+def _force(monkeypatch, forced):
+    """Force a plan of the walk (``convcov.backends._plan``, as cupy's plan reads it): S
+    through memory wherever out's rows allow it ("stream": walk stores S, stream adds it
+    into out) or never (the others: walk adds c * S into out); planes in the smallest
+    tiles, one plane of S a step ("tiles": _plan.WALK_SMEM); every diagonal in segments
+    of one plane ("segments": _plan.WALK_BLOCKS_PER_SM)."""
     from convcov.backends import _plan
 
-    monkeypatch.setattr(_plan, "direct_source", lambda *args: direct)
-    monkeypatch.setattr(_plan, "stream_s", lambda *args: stream)
-    monkeypatch.setattr(_plan, "by_planes", lambda *args: planes)
+    monkeypatch.setattr(_plan, "STREAM_BYTES", 0 if forced == "stream" else 1 << 60)
+    if forced == "tiles":
+        monkeypatch.setattr(_plan, "WALK_SMEM", 1)
+    if forced == "segments":
+        monkeypatch.setattr(_plan, "WALK_BLOCKS_PER_SM", 1 << 30)
     _forget_plans(monkeypatch)
 
 
-#: The plan's branches: (S straight from gamma and mu, S through memory, S by planes).
-PATHS = {"direct": (True, False), "t": (False, False), "direct-stream": (True, True),
-         "t-stream": (False, True), "planes": (False, False, True)}
+def _walk_sizes(launch):
+    """The walk's sizes (_plan.walk's R, seglen, nseg, tj0, tj1, ntj1, ntile, nq, nslot,
+    wq, tp) in a launch's arguments."""
+    return dict(zip(("R", "seglen", "nseg", "tj0", "tj1", "ntj1", "ntile"), launch.args[-3]))
 
 
-@pytest.fixture(params=list(PATHS))
+@pytest.fixture(params=PATHS)
 def path(request, monkeypatch):
-    """Force one branch of the plan: S from gamma and mu or from T (``gsum``), fused into
-    out or written and streamed into out (``stream``; where out's (i1, j1) planes are
-    contiguous, else the plan fuses); or "planes": S from gamma and mu through shared
-    memory, one launch, no T (each plan made must have taken it: its planes fit)."""
-    _force(monkeypatch, *PATHS[request.param])
+    """Force one plan of the walk (_force); afterwards, every plan made took it: walk alone,
+    or (stream, where out's (i1, j1) rows are contiguous) walk storing S, then stream;
+    tiles of one row (tj0 1), one plane a step; segments of one plane."""
+    _force(monkeypatch, request.param)
     yield request.param
-    if request.param == "planes":
-        from convcov.backends import numba_cuda as mod
+    from convcov.backends import numba_cuda as mod
 
-        names = [[ln.name for ln in plan.launches] for plan in mod._plans.values()]
-        assert all(n in (["planes"], ["planes_vg"]) for n in names), names
+    for plan in mod._plans.values():
+        names = [ln.name for ln in plan.launches]
+        if request.param == "stream" and len(names) == 2:
+            assert names[0].startswith("walk_s") and names[1] == "stream", names
+        else:
+            assert len(names) == 1 and names[0].startswith("walk"), names
+            assert request.param == "stream" or not names[0].startswith("walk_s"), names
+        sizes = _walk_sizes(plan.launches[0])
+        if request.param == "tiles":
+            assert sizes["tj0"] == 1 and sizes["R"] == 1, sizes
+        if request.param == "segments":
+            assert sizes["seglen"] == 1, sizes
 
 
 def _names(mod):
@@ -391,7 +409,7 @@ def test_dtypes(path, dtypes):
         pytest.skip("torch with CUDA is not installed")
     if not HAS_TORCH:
         kind = "numpy"
-    # Two groups of three output channels: a chunk of UNROLL channels leaves one alone,
+    # Two groups of three output channels: a pass of UNROLL (4) channels has one too many,
     # which must not spill into the next group.
     out, g, mu, c, k, cv = _problem(np.random.default_rng(2), 1, 2, 6, 4, 4, (2, 2), G=2)
     _check(out, g, mu, c, k, cv, kind, dtypes)
@@ -400,8 +418,9 @@ def test_dtypes(path, dtypes):
 @available
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_sixteen_bit_vectors(path, dtype):
-    """16-bit out in vectors (contiguous diagonal layout, 5x5 planes: no vector divides
-    25, and 4x4: 8 elements, 16 bytes), two elements a 32-bit word in the loads."""
+    """16-bit arrays in vectors, two elements a 32-bit word: out 8 elements along j1 a
+    load (7 x 7 inputs, 8 x 8 planes of out), gamma and mu 8 along y1 (8 x 8 inputs,
+    9 x 9 planes of out: no vector of out divides 9)."""
     kind = "torch_cuda" if ON_GPU else "torch"
     if not HAS_TORCH:
         if dtype == "bfloat16":
@@ -409,8 +428,8 @@ def test_sixteen_bit_vectors(path, dtype):
         kind = "numpy"
     if ON_GPU and not torch_cuda():
         pytest.skip("torch with CUDA is not installed")
-    for hw in (5, 4):
-        out, g, mu, c, k, cv = _problem(np.random.default_rng(5), 2, 2, 6, hw, hw, (2, 2),
+    for hw in (7, 8):
+        out, g, mu, c, k, cv = _problem(np.random.default_rng(5), 1, 2, 6, hw, hw, (2, 2),
                                         full_out=False, gamma="diag", G=2, padding=(1, 1))
         _check(out, g, mu, c, k, cv, kind, (dtype,) * 4)
 
@@ -464,60 +483,31 @@ def test_negative_strides_on_the_gpu(path, full_out, gamma):
 
 
 @available
-@pytest.mark.parametrize("dtype, full_out, misaligned, widths", [
-    ("float32", False, False, {"gsum": 4, "fused_t": 4, "stream": 4}),  # out: one block
-    ("float32", True, False, {"gsum": 4, "fused_t": 4, "stream": 4}),   # out: rows
-    ("float32", False, True, {"gsum": 4, "fused_t": 4, "stream": 1}),   # out one element off
-    ("float16", False, False, {"gsum": 8, "fused_t": 4, "stream": 8}),  # S written in float32
-    ("float64", True, False, {"gsum": 2, "fused_t": 2, "stream": 2}),
+@pytest.mark.parametrize("dtypes, misaligned, forced, hw, widths", [
+    (("float32",) * 4, False, "fused", 8, [("walk_vg32", 8)]),  # both 16 bytes, doubled
+    (("float16",) * 4, False, "fused", 8, [("walk_vg16", 8)]),  # 16 bytes: 8 x 8 planes
+    (("float16",) * 4, False, "fused", 16, [("walk_vg32", 16)]),  # 32 bytes: 16 x 16
+    (("float64",) * 4, True, "fused", 8, [("walk_vg32", 1)]),  # out one element off
+    (("float32", "float16", "float32", "float32"), False, "fused", 8, [("walk", 8)]),  # mixed
+    (("float16", "float32", "float32", "float16"), False, "fused", 8, [("walk", 8)]),  # not out's
+    (("float16",) * 4, False, "stream", 8, [("walk_s_vg16", 8), ("stream", 8)]),  # S: float32
+    (("float32", "float16", "float16", "float32"), False, "stream", 8,
+     [("walk_s_vg16", 8), ("stream", 4)]),  # gamma and mu share a dtype: VG 8
+    (("float32",) * 4, True, "stream", 8, [("walk_s_vg32", 8), ("stream", 1)]),
 ])
-def test_vector_widths(monkeypatch, dtype, full_out, misaligned, widths):
-    """The kernels load V consecutive elements at once where the layout and the alignment
-    allow (convcov._arrays.vector_width), element by element otherwise; every width gives
-    the literal loops' result. (S through memory: fused_t's V is S's, 16 bytes of sums.)"""
+def test_vector_widths(monkeypatch, dtypes, misaligned, forced, hw, widths):
+    """The walk forms V elements along j1 a thread (out's vector width along its rows, or
+    S's where it stores S: 16 bytes, doubled where the row allows, _plan.widen) and reads
+    gamma and mu VG elements along y1 a load (16 bytes, or 32) where they share a dtype
+    (out's, where it adds into out) and the layout allows, else one; stream adds into out
+    V elements (16 bytes) a load. Every width gives the literal loops' result."""
     from convcov.backends import numba_cuda as mod
 
-    _force(monkeypatch, False, True)
-    rng = np.random.default_rng(5)
-    out, g, mu, c, k, cv = _problem(rng, 1, 5, 2, 4, 4, (1, 1), full_out, "diag")
-    _check(out, g, mu, c, k, cv, KINDS[0], (dtype,) * 4, misalign=misaligned)
-    assert dict(_names(mod)) == widths
-
-
-@available
-@pytest.mark.parametrize("dtype, misaligned, V", [("float32", False, 4), ("float16", False, 8),
-                                                 ("float32", True, 1)])
-def test_fused_vector_widths(monkeypatch, dtype, misaligned, V):
-    """The fused kernel adds into out V elements a load, the vector width of out's
-    (i1, j1) plane, from either source of S."""
-    from convcov.backends import numba_cuda as mod
-
-    for direct in (True, False):
-        _force(monkeypatch, direct, False)
-        out, g, mu, c, k, cv = _problem(np.random.default_rng(6), 1, 2, 5, 4, 4, (3, 3),
-                                        False, "diag", padding=(1, 1))
-        _check(out, g, mu, c, k, cv, KINDS[0], (dtype,) * 4, misalign=misaligned)
-        assert dict(_names(mod))["fused" if direct else "fused_t"] == V
-
-
-@available
-@pytest.mark.parametrize("dtypes, stride, misaligned, widths", [
-    (("float32",) * 4, (1, 1), False, ("planes_vg", 2)),  # VG 4; V 4 narrowed: 8 x 8 planes
-    (("float16",) * 4, (1, 2), False, ("planes_vg", 2)),  # VG 8; 2 columns apart
-    (("float64",) * 4, (1, 1), True, ("planes_vg", 1)),   # VG 2; out one element off
-    (("float32", "float16", "float32", "float32"), (1, 1), False, ("planes", 2)),  # mixed
-])
-def test_planes_vector_widths(monkeypatch, dtypes, stride, misaligned, widths):
-    """The planes kernel reads gamma and mu VG elements (16 bytes) along y1 a load where
-    both have out's dtype and the layout allows, else one, and adds into out V elements
-    along j1 a load, V narrowed until a run of planes fills the block."""
-    from convcov.backends import numba_cuda as mod
-
-    _force(monkeypatch, *PATHS["planes"])
-    out, g, mu, c, k, cv = _problem(np.random.default_rng(9), 1, 2, 2, 8, 8 * stride[1],
-                                    (3, 3), False, "diag", G=2, stride=stride, padding=(1, 1))
+    _force(monkeypatch, forced)
+    out, g, mu, c, k, cv = _problem(np.random.default_rng(6), 1, 2, 2, hw, hw, (3, 3), False,
+                                    "diag", padding=(1, 1))
     _check(out, g, mu, c, k, cv, KINDS[0], dtypes, misalign=misaligned)
-    assert _names(mod) == [widths]
+    assert _names(mod) == widths
 
 
 def _out_view(a, kind, case):
@@ -542,10 +532,11 @@ def _out_view(a, kind, case):
 def test_stream_rows(monkeypatch, case, rows, hw):
     """S through memory: stream takes a contiguous out[b, c0] block as one row and any
     other layout with contiguous (i1, j1) planes a row per (i0, j0); out with other
-    planes (permuted) is fused instead. Each gives the reference's result."""
+    planes (permuted) takes the walk adding into out instead. Each gives the reference's
+    result."""
     from convcov.backends import numba_cuda as mod
 
-    _force(monkeypatch, False, True)
+    _force(monkeypatch, "stream")
     kind = KINDS[0]
     out0, g, mu, c, k, conv = _problem(np.random.default_rng(13), 2, 2, 3, *hw, (3, 3),
                                        not case.startswith("diag"), "diag", padding=(1, 1))
@@ -555,7 +546,7 @@ def test_stream_rows(monkeypatch, case, rows, hw):
     (plan,) = mod._plans.values()
     last = plan.launches[-1]
     if rows is None:
-        assert last.name == "fused_t"
+        assert len(plan.launches) == 1 and not last.name.startswith("walk_s"), last.name
     else:
         HoWo = hw[0] * hw[1]
         assert last.name == "stream" and last.args[-3] == (1 if rows == 1 else HoWo)
@@ -563,32 +554,6 @@ def test_stream_rows(monkeypatch, case, rows, hw):
                              mu.astype(np.float32), c.astype(np.float32), k, backend="numpy",
                              **conv)
     np.testing.assert_allclose(to_f64(o), ref, rtol=1e-5, atol=1e-5)
-
-
-@available
-@pytest.mark.parametrize("branch, kernel", [("direct", "fused"), ("t", "fused_t"),
-                                            ("planes", "planes")])
-def test_output_channels_in_chunks(monkeypatch, branch, kernel):
-    """Where the threads alone under-fill the device (the simulator pretends a small one;
-    for planes, whose blocks fill it at once, a larger one), _plan.tiling (_plan.planes)
-    splits each group's output channels into chunks, each re-forming its S; 17 channels a
-    group in two groups: chunks of UNROLL and a last short one."""
-    from convcov.backends import _plan
-    from convcov.backends import numba_cuda as mod
-
-    _force(monkeypatch, *PATHS[branch])
-    tilings = []
-    planner = "planes" if branch == "planes" else "tiling"
-    plan_of = getattr(_plan, planner)
-    monkeypatch.setattr(_plan, planner, lambda *a: tilings.append(plan_of(*a)) or tilings[-1])
-    if branch == "planes":
-        monkeypatch.setattr(mod, "_capacity", lambda dev: 4096)
-    out, g, mu, c, k, cv = _problem(np.random.default_rng(7), 1, 4, 34, 3, 3, (2, 2), False,
-                                    "diag", G=2)
-    _check(out, g, mu, c, k, cv, KINDS[0], ("float32",) * 4)
-    (t,) = tilings
-    assert t.nchunk > 1 and 34 // 2 % t.chunk, t
-    assert _names(mod)[-1][0] == kernel
 
 
 @available
@@ -769,7 +734,7 @@ def test_generic_array_scratch_is_held_until_its_launches_ran(monkeypatch, kind)
             return Event()
 
     class Plan:
-        scratch, t_offset = 64, 128
+        scratch = 64
         launches = [lambda stream, values, i=i: log.append(("launch", i, stream))
                     for i in range(3)]
 

@@ -193,18 +193,22 @@ def test_backend_matches_reference(name, data):
 
 
 @pytest.mark.skipif(not SIM, reason="the CUDA simulator is only used when there is no GPU")
-@pytest.mark.parametrize("path", ["direct", "t", "direct-stream", "t-stream"])
+@pytest.mark.parametrize("path", ["fused", "stream", "tiles", "segments"])
 @settings(max_examples=40)
 @given(data=st.data())
 def test_numba_cuda_simulator_matches_reference(path, data):
-    """Every branch of the plan, forced through convcov.backends._plan: S straight from
-    gamma and mu or from T, fused into out or written and streamed into out."""
+    """Every plan of the walk, forced through convcov.backends._plan (as
+    tests/test_cupy.py's _force): c * S added into out by the walk, or S through memory and
+    streamed into out; planes in the smallest tiles; diagonals in segments of one plane."""
     from convcov.backends import _plan
     from convcov.backends import numba_cuda as mod
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(_plan, "direct_source", lambda *args: path.startswith("direct"))
-        mp.setattr(_plan, "stream_s", lambda *args: path.endswith("stream"))
+        mp.setattr(_plan, "STREAM_BYTES", 0 if path == "stream" else 1 << 60)
+        if path == "tiles":
+            mp.setattr(_plan, "WALK_SMEM", 1)
+        if path == "segments":
+            mp.setattr(_plan, "WALK_BLOCKS_PER_SM", 1 << 30)
         mp.setattr(mod, "_plans", {})  # plans remember the branch chosen
         mp.setattr(_frontend, "_bound", {})  # ... and so do the bound launchers
         run_case("numba_cuda", data, small=True)

@@ -1,100 +1,39 @@
-"""The tiling arithmetic of the GPU design (docs/backends.md, "The GPU design").
+"""The sizes of the GPU design, shared by the ``cupy`` and ``numba_cuda`` backends
+(docs/cupy.md "The design").
 
-A forward call is at most three launches, each chosen from the problem's quantities:
+A forward call is one launch of the walk, or two where many output channels share S:
 
-1. ``T[b, g, x0, y0, x1, y1]``, the channel sum of ``gamma``'s diagonal plus
-   ``mu (x) mu`` over the group, streamed once at bandwidth, unless S is formed straight
-   from ``gamma`` and ``mu`` (:func:`direct_source`);
-2. the fused kernel: per thread, ``V`` consecutive values of a row ``S[b, g, p0, :]``
-   formed in registers, then ``c[c0] * S`` added into ``out``'s channel-diagonal for a
-   chunk of the group's output channels (:func:`tiling`);
-3. where a group has many output channels (:func:`stream_s`), the fused kernel writes S
-   instead and a third kernel streams ``out`` in address order (:func:`stream_grid`).
+1. the walk: a block takes one diagonal ``i1 - i0`` of S's planes (or a segment of it) and
+   one tile of each plane; it sums the planes of the channel sum of ``gamma + mu (x) mu``
+   that the diagonal reads into shared memory, row-filters them into a ring, forms each
+   plane of S from ``kh`` planes of the ring and adds ``c[c0] * S`` into out (or stores S):
+   :func:`walk` sizes it;
+2. where a group's output channels hold at least :data:`STREAM_BYTES` bytes of out an
+   element of S, the walk stores S and a stream kernel adds ``c[c0] * S`` into out in
+   address order (:func:`stream_grid`).
 
-Where a group has one output channel and S would come from T (:func:`by_planes`), one
-launch replaces them: the planes of ``gamma + mu (x) mu`` that a diagonal of S's planes
-reads are summed into shared memory once each and S is formed from there
-(:func:`planes`); it falls back to T where they do not fit.
-
-No list of shapes: every layer takes this code path.
+No list of shapes: every layer takes this code path; the sizes follow from the layer's
+quantities.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .._arrays import ITEMSIZE, vector_width
-
 THREADS = 256  # threads a block
-UNROLL = 4  # output channels whose loads of out are in flight together (UNROLL_OUT)
-STREAM_U = 4  # cc_stream's vectors in flight a thread (STREAM_U)
+UNROLL = 4  # numba_cuda's walk: channels whose loads are in flight together
+STREAM_U = 4  # the stream kernel's vectors in flight a thread (STREAM_U)
 MAX_GRID_X, MAX_GRID_YZ = 2**31 - 1, 65535  # CUDA's grid limits (the kernels loop past)
-# Below this many direct terms, one launch beats two: the problem is launch-bound (toy:
-# 54 -> 39 us on the H200).
-DIRECT_TERMS = 1 << 22
-# S through shared memory (cc_planes) in place of T for groups of at most PLANES_COG output
-# channels (buys mb-dw 2060 -> 1575 us on the H200, against S from T down columns).
-PLANES_COG = 1
-# S through memory for groups of at least STREAM_COG output channels and S rows of at least
-# STREAM_ROW positions: buys big-f32 6878 -> 5913 us and big-f16 4277 -> 3508 us on the
-# H200; layers with fewer channels or shorter rows lose by it (stem-k5, dil2, mb-pw).
-STREAM_COG, STREAM_ROW = 64, 512
-SMEM_MAX = 48 * 1024  # dynamic shared memory a block may take without opting in (CUDA)
-
-
-@dataclass(frozen=True)
-class Tiling:
-    """The fused kernel's ``block`` and ``grid`` for one call, and the split of each
-    group's ``Cog`` output channels into ``nchunk`` chunks of ``chunk`` (each chunk
-    re-forms its S)."""
-
-    block: tuple
-    grid: tuple
-    nchunk: int
-    chunk: int
 
 
 def _cdiv(a, b):
     return -(-a // b)
 
 
-def direct_source(B, G, Cg, H, W, Ho, Wo, kh, kw) -> bool:
-    """Whether S is formed straight from gamma and mu rather than from T: when the direct
-    source's terms (``Cg * kh * kw`` an element of S, each a cached gather) are no more
-    than T's elements (``(H*W)**2`` a group, each written and read once at DRAM
-    bandwidth, then gathered ``kh * kw`` times), as for large strides and 1x1 kernels
-    (r20-short: 737 -> 328 us on the H200), or when the whole problem is so small that a
-    second launch costs more than the terms."""
-    S = Cg * kh * kw * (Ho * Wo) ** 2
-    return B * G * S <= DIRECT_TERMS or S <= (H * W) ** 2
-
-
-def stream_s(Cog, Ho, Wo) -> bool:
-    """Whether S goes through memory (written once, then out streamed in address order)
-    rather than straight from registers into out: where many output channels share each
-    long row of S, so that S's round trip costs little beside out's."""
-    return Cog >= STREAM_COG and Ho * Wo >= STREAM_ROW
-
-
-def tiling(B, G, Cog, Ho, Wo, V, capacity) -> Tiling:
-    """The fused kernel's grid for a device holding ``capacity`` resident threads, each
-    thread ``V`` consecutive positions of a row of S (the written array's vector width)."""
-    HoWo = Ho * Wo
-    work = B * G * HoWo * _cdiv(HoWo, V)  # threads, one chunk a group
-    # Split the channels when the threads alone would leave the device under-filled.
-    nchunk = max(1, min(_cdiv(Cog, UNROLL), _cdiv(2 * capacity, work)))
-    chunk = _cdiv(Cog, nchunk)
-    nchunk = _cdiv(Cog, chunk)
-    # x: (p0, q vector) pairs of one (b, g, chunk); z: those (each loops past the limits).
-    grid = (min(_cdiv(work // (B * G), THREADS), MAX_GRID_X), 1,
-            min(B * G * nchunk, MAX_GRID_YZ))
-    return Tiling((THREADS,), grid, nchunk, chunk)
-
-
 def stream_grid(planes, rows, vectors):
-    """cc_stream's (grid, block): ``planes`` (b, c0) blocks of out, each ``rows`` rows of
-    ``vectors`` vectors; a thread STREAM_U vectors of a row, a block's x threads one row
-    (short rows leave room for more rows: y)."""
+    """The stream kernel's (grid, block): ``planes`` (b, c0) blocks of out, each ``rows``
+    rows of ``vectors`` vectors; a thread STREAM_U vectors of a row, a block's x threads
+    one row (short rows leave room for more rows: y)."""
     bx = min(THREADS, max(32, 1 << (_cdiv(vectors, STREAM_U) - 1).bit_length()))
     by = THREADS // bx
     grid = (min(_cdiv(vectors, bx * STREAM_U), MAX_GRID_X), min(_cdiv(rows, by), MAX_GRID_YZ),
@@ -102,76 +41,87 @@ def stream_grid(planes, rows, vectors):
     return grid, (bx, by)
 
 
+# ---------------------------------------------------------------------------- the walk
+# Shared memory a block of the walk takes at most: below CUDA's 48 KiB (no opt-in), small
+# enough for several blocks a multiprocessor.
+WALK_SMEM = 32 * 1024
+# Blocks below which the diagonals are split into segments (each re-reads its first
+# planes of Q): a device's multiprocessors times this.
+WALK_BLOCKS_PER_SM = 4
+
+
 @dataclass(frozen=True)
-class Planes:
-    """cc_planes' sizes for one call: ``V`` elements of S along j1 a thread, ``VG``
-    elements of gamma along y1 a load, ``runp`` planes of S a block (one run along a
-    diagonal ``i1 - i0``), ``wq`` columns a row of P in shared memory, ``smem`` bytes of
-    it a block (the run's planes of P), the grid, and the channel chunks."""
+class Walk:
+    """cc_walk's sizes for one call: ``R`` planes of S a step; a diagonal in ``nseg``
+    segments of ``seglen`` planes; a plane in ``ntile`` tiles of ``tj0`` x ``tj1`` (``ntj1``
+    along j1); ``nq`` planes of Q staged at once (rows ``hq``, pitch ``wq``); a ring of
+    ``nslot`` planes of T (pitch ``tp``); ``smem`` bytes; ``n`` blocks' items."""
 
-    V: int
-    VG: int
-    runp: int
+    R: int
+    seglen: int
+    nseg: int
+    tj0: int
+    tj1: int
+    ntj1: int
+    ntile: int
+    nq: int
+    nslot: int
+    hq: int
     wq: int
+    tp: int
     smem: int
+    n: int
     grid: tuple
-    nchunk: int
-    chunk: int
 
 
-def planes(B, G, Cog, W, Ho, Wo, kh, kw, sh, sw, pw, dh, dw, v_row, vg, acc_size, capacity):
-    """cc_planes' sizes, or None where one run's planes of P do not fit in shared memory.
+def walk(B, G, Ho, Wo, kh, kw, sh, sw, dh, dw, V, acc_size, ncs, sms, smem_max=None,
+         blocks_min=None) -> Walk:
+    """cc_walk's sizes: whole planes (tiles only where one plane's Q and T exceed the
+    shared memory), as many planes of S a step as fit, and whole diagonals a block unless
+    that leaves fewer than ``blocks_min`` blocks. ``V``: the elements along j1 a thread
+    forms (tiles keep it whole); ``ncs``: the values of c a block keeps (its group's)."""
+    smem_max = WALK_SMEM if smem_max is None else smem_max
+    blocks_min = WALK_BLOCKS_PER_SM * sms if blocks_min is None else blocks_min
 
-    ``v_row``: the widest vector along a row of out's (i1, j1) plane; ``vg``: along a row
-    of gamma's and mu's (x1, y1) plane. A block takes a whole diagonal of S (``Ho``
-    planes of ``Wo * Wo / V`` threads each, V narrowed until they fill the block), fewer
-    planes where their ``sh*(R-1) + dh*(kh-1) + 1`` planes of P exceed SMEM_MAX or 64."""
-    Wp = sw * (Wo - 1) + dw * (kw - 1) + 1  # the columns y + pw a row of S spans
-    wq = _cdiv(max(Wp, pw + _cdiv(min(W, Wp - pw), vg) * vg), sw) * sw  # sw classes
-    V = v_row
-    while V > 1 and Ho * (Wo * Wo // V) < THREADS:
-        V //= 2
+    def sizes(tj0, tj1, R):
+        tp = _cdiv(tj1, 4) * 4  # T's rows: 16-byte aligned
+        hq = (tj0 - 1) * sw + (kw - 1) * dw + 1
+        wq = _cdiv(3 + (tj1 - 1) * sw + (kw - 1) * dw + 1, 4) * 4  # (3: alignment offset)
+        nslot = sh * (R - 1) + dh * (kh - 1) + 1
+        nq = min(nslot, R * sh)
+        return nq, nslot, hq, wq, tp, (nq * hq * wq + nslot * tj0 * tp + ncs) * acc_size
 
-    def rows(r):  # planes of P a run of r planes of S reads (a 64-bit mask in the kernel)
-        return sh * (r - 1) + dh * (kh - 1) + 1
-
-    def smem(r):
-        return rows(r) * Wp * wq * acc_size
-
-    # A whole diagonal a block: mb-dw 1861 -> 1575 us on the H200 against a block's worth.
-    R = Ho
-    while R > 1 and (smem(R) > SMEM_MAX or rows(R) > 64):
-        R -= 1
-    if smem(R) > SMEM_MAX or rows(R) > 64:
-        return None
-    nx = (2 * Ho - 1) * _cdiv(Ho, R)
-    # Split the channels when the blocks alone would leave the device under-filled.
-    nchunk = max(1, min(_cdiv(Cog, UNROLL), _cdiv(2 * capacity, B * G * nx * THREADS)))
-    chunk = _cdiv(Cog, nchunk)
-    nchunk = _cdiv(Cog, chunk)
-    grid = (min(nx, MAX_GRID_X), 1, min(B * G * nchunk, MAX_GRID_YZ))
-    return Planes(V, vg, R, wq, smem(R), grid, nchunk, chunk)
-
-
-def planes_for(p, so, sg, sm, acc_size, capacity):
-    """:func:`planes` for the validated call ``p`` (``Problem``) and its arrays' element
-    strides ``so``, ``sg``, ``sm`` (channel diagonals folded), or None: V along a row of
-    out's (i1, j1) plane; VG along a row of gamma's and mu's (x1, y1) plane, kept only
-    where both have out's dtype and a vector is 16 bytes, else 1."""
-    oi, gi, mi = p.out_info, p.gamma_info, p.mu_info
-    o_size, m_size = ITEMSIZE[oi.dtype], ITEMSIZE[mi.dtype]
-    v_row = vector_width(o_size, p.Wo, (so[5],), (p.Wo,), so[:5], oi.ptr)
-    mu_row = (m_size, (sm[3],), sm[:3], mi.ptr)
-    vg = (vector_width(ITEMSIZE[gi.dtype], p.W, (sg[5],), (p.W,), sg[:5], gi.ptr, (mu_row,))
-          if gi else vector_width(m_size, p.W, (sm[3],), (p.W,), sm[:3], mi.ptr))
-    same = {mi.dtype} | ({gi.dtype} if gi else set()) == {oi.dtype}
-    vg = vg if same and vg * o_size == 16 else 1
-    return planes(p.B, p.G, p.Co // p.G, p.W, p.Ho, p.Wo, p.kh, p.kw, p.sh, p.sw, p.pw,
-                  p.dh, p.dw, v_row, vg, acc_size, capacity)
+    tj0, tj1 = Wo, Wo
+    while sizes(tj0, tj1, 1)[-1] > smem_max and (tj0 > 1 or tj1 > V):
+        if tj1 > V and tj1 >= tj0:
+            tj1 = _cdiv(_cdiv(tj1, 2), V) * V
+        else:
+            tj0 = _cdiv(tj0, 2)
+    ntj1 = _cdiv(Wo, tj1)
+    ntile = _cdiv(Wo, tj0) * ntj1
+    blocks = (2 * Ho - 1) * ntile * B * G
+    nseg = min(Ho, max(1, _cdiv(blocks_min, blocks)))
+    seglen = _cdiv(Ho, nseg)
+    nseg = _cdiv(Ho, seglen)
+    R = 1
+    while R < seglen and sizes(tj0, tj1, R + 1)[-1] <= smem_max:
+        R += 1
+    nq, nslot, hq, wq, tp, smem = sizes(tj0, tj1, R)
+    n = (2 * Ho - 1) * nseg * ntile * B * G
+    return Walk(R, seglen, nseg, tj0, tj1, ntj1, ntile, nq, nslot, hq, wq, tp, smem, n,
+                (min(n, MAX_GRID_X),))
+# S through memory (cc_walk stores it, cc_stream adds it into out) where a group's output
+# channels hold at least this many bytes of out an element of S: S's round trip is then a
+# small part of out's traffic.
+STREAM_BYTES = 64
+# The most bytes of a row a thread of cc_walk loads at once (two 16-byte vectors: more in
+# flight where a group has few channels).
+VECTOR_BYTES = 32
 
 
-def by_planes(Cog) -> bool:
-    """Whether S, where it would be formed from T, is formed by cc_planes instead (where
-    its planes fit): where a group has one output channel (depthwise), so that forming S
-    is the work and T's round trip through memory costs as much as out's."""
-    return Cog <= PLANES_COG
+def widen(v, itemsize, n):
+    """A 16-byte vector of ``v`` elements along a row of ``n``, doubled while it stays
+    within VECTOR_BYTES and divides the row (other widths stay as they are)."""
+    while v * itemsize >= 16 and 2 * v * itemsize <= VECTOR_BYTES and n % (2 * v) == 0:
+        v *= 2
+    return v

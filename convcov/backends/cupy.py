@@ -8,31 +8,27 @@ torch's for torch tensors, CuPy's for CuPy arrays; for other ``__cuda_array_inte
 objects (numba device arrays) the stream ``out`` names, after the streams the inputs name
 (``convcov._arrays.launch_streams``).
 
-Design (docs/backends.md "The GPU design", docs/cupy.md). The operation is memory-bound;
-``convcov.backends._plan`` chooses, from the problem's quantities, at most three launches:
+Design (docs/cupy.md "The design", docs/backends.md "The GPU design"). The operation is
+memory-bound: gamma's channel diagonal is read once and out's channel diagonal read and
+written once, everything else stays on the chip. One kernel, ``cc_walk``, does it for every
+layer: a block walks one diagonal ``i1 - i0`` of S's planes ``S[b, g, i0, :, i1, :]``; each
+plane ``Q_u`` of the group's channel sum of ``gamma + mu (x) mu`` that the diagonal reads
+is summed into shared memory once (gamma streamed), row-filtered along ``ji`` into a ring
+of planes ``T_u``, and each plane of S is ``kh`` reads of the ring (the filter along
+``ii``); then ``c[c0] * S`` goes into out for every output channel of the group. Where
+many output channels share S (``_plan.STREAM_BYTES``), ``cc_walk`` stores S instead and
+``cc_stream`` adds ``c[c0] * S`` into out in address order, S re-read from L2. The sizes
+(planes of S a step, tiles of a plane, segments of a diagonal) come from
+``convcov.backends._plan.walk``, which the ``numba_cuda`` backend shares.
 
-* ``cc_gsum`` (where S is formed from T) reads the channel-diagonal of ``gamma`` exactly
-  once, streaming, 16 bytes a load where the layout allows, and writes the per-group
-  channel sum of ``gamma + mu (x) mu``: ``T[b, g, x0, y0, x1, y1]``.
-* ``cc_fused`` forms V consecutive values of a row of ``S[b, g, p0, :]`` in registers
-  (the kh x kw box filter of T, or the channel sum inside the box filter straight from
-  ``gamma`` and ``mu`` where that is fewer terms than T has elements) and adds
-  ``c[c0] * S`` into ``out``'s channel-diagonal for a chunk of the group's output
-  channels, V elements a load: S never reaches memory.
-* ``cc_planes`` (depthwise layers, in place of T: ``_plan.by_planes``): a block sums the
-  planes ``P[x0, :, x1, :]`` of gamma + mu (x) mu that a run of planes of S along one
-  diagonal ``i1 - i0`` reads into shared memory, once each, then forms those planes of S
-  from there and adds ``c[c0] * S`` into out: one launch, no T.
-* ``cc_stream`` (where many channels share each long row of S): ``cc_fused`` writes S,
-  and this kernel streams ``out[b, c0] += c[c0] * S[b, g]`` in address order.
-
-Scratch: T and S where they are formed, one buffer of accumulation-type elements,
-allocated stream-ordered from the arrays' library (nothing grows with Ci*Ci or Co).
-Terms with a position in the padding are skipped (SPEC section 1), so NaN/Inf in ``mu``
-never meets a padded zero. Index arithmetic is 64-bit wherever an offset can pass
-2**31; the arithmetic uses explicit IEEE (non flush-to-zero) instructions because CuPy
-compiles with ``-ftz=true``; results are rounded once into ``out``'s dtype (float64 sums
-reach float16/bfloat16 through round-to-odd float32, a single correct rounding).
+Scratch: S, only where it goes through memory (``B*G*(Ho*Wo)**2`` accumulation-type
+elements), allocated stream-ordered from the arrays' library. A tile of Q in shared memory
+keeps zeros where a position lies in the padding, so an absent term adds an exact zero
+and NaN/Inf in ``mu`` never meets a padded zero. Index arithmetic is 64-bit wherever an
+offset can pass 2**31; the arithmetic uses explicit IEEE (non flush-to-zero)
+instructions because CuPy compiles with ``-ftz=true``; results are rounded once into
+``out``'s dtype (float64 sums reach float16/bfloat16 through round-to-odd float32, a
+single correct rounding).
 
 The backward (``patch_moment_vjp``, docs/autograd.md's contract; docs/cupy.md "Backward")
 is three more kernels: ``cc_vjp_gamma`` gathers ``D``, the adjoint of the box filter, from
@@ -47,10 +43,9 @@ row a launch), writes its addresses in, and launches each kernel with the public
 ``cupy.RawKernel.__call__``, the row passed as a one-element NumPy array of the struct's
 dtype (``_ARGS``: CuPy's documented way to pass a custom structure by value). The launches
 go on CuPy's current stream, which is the launch stream itself for CuPy arrays and a CuPy
-stream object made current around them for any other (``_stream_object``). Only
-``cc_planes`` uses shared memory (dynamic, at most 48 KiB a block); the other kernels'
-reuse is served by L1/L2. Repeated small calls are the
-user's to capture into a CUDA graph (``torch.cuda.graphs``, or
+stream object made current around them for any other (``_stream_object``). ``cc_walk``
+takes dynamic shared memory (``_plan.WALK_SMEM`` at most, below CUDA's 48 KiB). Repeated
+small calls are the user's to capture into a CUDA graph (``torch.cuda.graphs``, or
 ``torch.compile(mode="reduce-overhead")``): a launch on torch's current stream with
 scratch from torch's allocator and no host wait is captured like any torch kernel.
 
@@ -85,7 +80,7 @@ _ACC_CXX = {"float32": "float", "float64": "double"}
 #: Fields of the kernels' ``Args`` struct, all 8 bytes wide, in order. The CUDA struct is
 #: generated from this list, so the Python packing and the C++ layout cannot drift apart.
 _FIELDS = (
-    "out", "gamma", "mu", "c", "t", "s",     # device addresses (gamma, c: 0 when absent)
+    "out", "gamma", "mu", "c", "s",            # device addresses (gamma, c: 0 when absent)
     "src",                                     # out's values are read here (out: in place)
     "B", "G", "Cg", "Cog", "H", "W", "Ho", "Wo",
     "kh", "kw", "sh", "sw", "ph", "pw", "dh", "dw",
@@ -94,11 +89,12 @@ _FIELDS = (
     "sm0", "sm1", "sm2", "sm3",                # mu (b, ci, x, y)
     "sc",                                      # c (0 for a 0-d c)
     "dt_out", "dt_gamma", "dt_mu", "dt_c",     # dtype codes (_DTYPES) for run-time typed loads
-    "nchunk", "chunk",                         # output channels of a group split in chunks
-    "to_s",                                    # cc_fused writes S (c = 1), not out
-    "nseg", "seg_len",                         # cc_stream: rows of out[b, c0], their length
     "n",                                       # work items of this launch
-    "runp", "wq",                              # cc_planes: planes of S a block, P's row
+    # cc_walk (_plan.Walk): planes of S a step, segments of a diagonal, tiles of a plane,
+    # the staged planes of Q and their rows' pitch, the ring of T and its rows' pitch
+    "runp", "seglen", "nseg", "tj0", "tj1", "ntj1", "ntile", "nq", "wq", "nslot", "tp",
+    "nseg_rows", "seg_len",                    # cc_stream: rows of out[b, c0], their length
+    "nchunk", "chunk",                         # cc_vjp_gamma: a group's channels in chunks
     # the backward (patch_moment_vjp): grad_S in; grad_gamma, grad_mu out; D, link: scratch
     "gs", "gg", "gm", "dsc", "lnk",            # device addresses (0 when absent)
     "ss0", "ss1", "ss2", "ss3", "ss4", "ss5",  # grad_S (b, g, i0, j0, i1, j1)
@@ -126,17 +122,11 @@ struct bf16 { unsigned short b; };
 enum { DT_F16 = 0, DT_BF16 = 1, DT_F32 = 2, DT_F64 = 3 };
 """ + _ARGS_STRUCT + r"""
 #define THREADS 256
-#define UNROLL 4          // loads in flight per thread in the streaming loops
-// cc_gsum's blocks a multiprocessor, named to ptxas (0: none named): an A/B knob
-// (CupyBackend's compile options, -D...), see cc_gsum.
-#ifndef GSUM_MIN_BLOCKS
-#define GSUM_MIN_BLOCKS 0
+#ifndef INFLIGHT
+#define INFLIGHT 64  // bytes of one input or output a thread has in flight in cc_walk's loops
 #endif
-#if GSUM_MIN_BLOCKS > 0
-#define GSUM_BOUNDS __launch_bounds__(THREADS, GSUM_MIN_BLOCKS)
-#else
-#define GSUM_BOUNDS __launch_bounds__(THREADS)
-#endif
+// channels whose loads are in flight together when each load is BYTES bytes
+#define LOADS_FOR(BYTES) (INFLIGHT / (BYTES) < 1 ? 1 : INFLIGHT / (BYTES) > 8 ? 8 : INFLIGHT / (BYTES))
 
 // ---------------------------------------------------------------- bits and conversions
 __device__ __forceinline__ float u2f(unsigned u) { union { unsigned u; float f; } x; x.u = u; return x.f; }
@@ -244,8 +234,9 @@ template <> struct Cv<double> {
 };
 
 // ---------------------------------------------------------------- loads and stores
-// HINT 0: read-only path (data reused from L1/L2: mu, T, c). HINT 1: streaming, evict
-// first (gamma and out are touched once; keeping them out of L2 leaves room for T).
+// HINT 0: read-only path (data reused from L1/L2: mu, c). HINT 1: streaming, evict
+// first (gamma and out are touched once; keeping them out of L2 leaves room for S). HINT 2:
+// plain (shared memory: the ring of T).
 template <int BYTES> struct Chunk;
 template <> struct Chunk<2> { typedef unsigned short type; };
 template <> struct Chunk<4> { typedef unsigned int type; };
@@ -254,7 +245,7 @@ template <> struct Chunk<16> { typedef uint4 type; };
 
 template <int HINT, typename C> __device__ __forceinline__ C ldh(const C* p) {
 #ifdef __CUDA_ARCH__
-  return HINT ? __ldcs(p) : __ldg(p);
+  return HINT == 1 ? __ldcs(p) : HINT == 0 ? __ldg(p) : *p;
 #else
   return *p;
 #endif
@@ -346,46 +337,7 @@ __device__ __forceinline__ void st_any(void* base, i64 off, int dt, Acc v) {
   }
 }
 
-// Element access through a storage type T known at compile time (the usual case: the
-// arrays share a dtype) or run-time typed (T = anyt, for mixed dtypes; the code is a
-// kernel argument). one/vec load into Acc, put rounds once and stores.
-struct anyt {};
-template <typename Acc, typename T> struct Ld {
-  static __device__ __forceinline__ Acc one(const void* base, i64 off, int) {
-    T t[1];
-    ldv<T, 1, 0>((const T*)base + off, t);
-    return Cv<Acc>::from(t[0]);
-  }
-  static __device__ __forceinline__ Acc one_stream(const void* base, i64 off, int) {
-    T t[1];
-    ldv<T, 1, 1>((const T*)base + off, t);
-    return Cv<Acc>::from(t[0]);
-  }
-  template <int V>
-  static __device__ __forceinline__ void vec(const void* base, i64 off, int, Acc (&r)[V]) {
-    ldv_as<Acc, T, V>(base, off, r);
-  }
-  static __device__ __forceinline__ void put(void* base, i64 off, int, Acc v) {
-    T t[1];
-    Cv<Acc>::to(t[0], v);
-    stv<T, 1, 1>((T*)base + off, t);
-  }
-};
-template <typename Acc> struct Ld<Acc, anyt> {
-  static __device__ __forceinline__ Acc one(const void* base, i64 off, int dt) {
-    return ld_any<Acc, 0>(base, off, dt);
-  }
-  static __device__ __forceinline__ Acc one_stream(const void* base, i64 off, int dt) {
-    return ld_any<Acc, 1>(base, off, dt);
-  }
-  template <int V>
-  static __device__ __forceinline__ void vec(const void* base, i64 off, int dt, Acc (&r)[V]) {
-    ldv_any<Acc, V>(base, off, dt, r);
-  }
-  static __device__ __forceinline__ void put(void* base, i64 off, int dt, Acc v) {
-    st_any<Acc>(base, off, dt, v);
-  }
-};
+struct anyt {};  // gamma and mu run-time typed (mixed dtypes): the code is a kernel argument
 
 // 64-bit quotient and remainder, through 32-bit division when both operands fit (the
 // usual case: a 64-bit division is a long software sequence on the GPU).
@@ -408,427 +360,335 @@ __device__ __forceinline__ Acc c_of(const Args& a, i64 c0) {
   return a.c ? ld_any<Acc, 0>((const void*)a.c, c0 * a.sc, (int)a.dt_c) : Cv<Acc>::from(a.c_value);
 }
 
-// ---------------------------------------------------------------- kernel 1: T
-// One channel's mu: mu[b, ci, x0, y0] (the row) and V values mu[b, ci, q] (the column),
-// loaded by load() and read, converted, by row() and col(). A typed mu stays raw between
-// the two, so that cc_gsum can issue all of a step's loads before its first sum (a warp
-// issues in order: a conversion placed between two loads holds the second one until the
-// first one's data is back); a run-time typed mu (anyt, mixed dtypes) converts at once.
-template <typename Acc, typename Tm, int V> struct MuPair {
-  Raw<Tm, 1> r;
-  Raw<Tm, V> c;
-  __device__ __forceinline__ void load(const void* mu, i64 orow, i64 ocol, int) {
-    ldraw<Tm, 1, 0>((const Tm*)mu + orow, r);
-    ldraw<Tm, V, 0>((const Tm*)mu + ocol, c);
-  }
-  __device__ __forceinline__ Acc row() const { Tm t[1]; unpack<Tm, 1>(r, t); return Cv<Acc>::from(t[0]); }
-  __device__ __forceinline__ void col(Acc (&m)[V]) const {
-    Tm t[V];
-    unpack<Tm, V>(c, t);
-#pragma unroll
-    for (int e = 0; e < V; ++e) m[e] = Cv<Acc>::from(t[e]);
-  }
-};
-template <typename Acc, int V> struct MuPair<Acc, anyt, V> {
-  Acc r, c[V];
-  __device__ __forceinline__ void load(const void* mu, i64 orow, i64 ocol, int dt) {
-    r = ld_any<Acc, 0>(mu, orow, dt);
-    ldv_any<Acc, V>(mu, ocol, dt, c);
-  }
-  __device__ __forceinline__ Acc row() const { return r; }
-  __device__ __forceinline__ void col(Acc (&m)[V]) const {
-#pragma unroll
-    for (int e = 0; e < V; ++e) m[e] = c[e];
-  }
-};
-
-// T[b, g, x0, y0, q] = sum over ci of group g of gamma[b, ci, x0, y0, (ci,) q] + mu[b, ci, x0, y0] * mu[b, ci, q]
-// for V consecutive q per thread. V > 1 only when q is contiguous in gamma and mu and
-// every row is aligned to the vector (checked on the host); V == 1 takes any strides.
-// Tg is gamma's storage type (gamma absent: a.gamma == 0), Tm mu's (or anyt).
-// Positions (< H*W < 2**31) are 32-bit; offsets into arrays are 64-bit.
-template <typename Tg, typename Tm, typename Acc, int V>
-__global__ void GSUM_BOUNDS cc_gsum(const Args a) {
-  const int W = (int)a.W, HW = (int)(a.H * a.W), nqv = HW / V;
-  const Tg* gamma = (const Tg*)a.gamma;
-  const void* mu = (const void*)a.mu;
-  Acc* T = (Acc*)a.t;
-  const int dt_mu = (int)a.dt_mu;
-  for (i64 idx = thread_index(); idx < a.n; idx += grid_stride()) {
-    i64 row, qv64, bg, p64, b, g;
-    divmod(idx, nqv, row, qv64);  // row = (b, g, x0, y0)
-    divmod(row, HW, bg, p64);
-    divmod(bg, a.G, b, g);
-    const int p = (int)p64, x0 = p / W, y0 = p - x0 * W, q = (int)qv64 * V;
-    const i64 ci0 = g * a.Cg;
-    i64 og = b * a.sg0 + ci0 * a.sg1 + x0 * a.sg2 + y0 * a.sg3;
-    i64 om_row = b * a.sm0 + ci0 * a.sm1 + x0 * a.sm2 + y0 * a.sm3;
-    i64 om_col = b * a.sm0 + ci0 * a.sm1;
-    if (V > 1) {
-      og += q; om_col += q;
-    } else {
-      const int x1 = q / W, y1 = q - x1 * W;
-      og += x1 * a.sg4 + y1 * a.sg5;
-      om_col += x1 * a.sm2 + y1 * a.sm3;
-    }
-    Acc acc[V];
-#pragma unroll
-    for (int e = 0; e < V; ++e) acc[e] = (Acc)0;
-    i64 ci = 0;
-    // UNROLL channels a step, every load of the step (gamma's from DRAM, mu's from the
-    // caches) issued before the first sum, the values kept raw until then, and the
-    // step's gamma terms summed pairwise. Summed channel by channel (until commit
-    // d9814ea), ptxas placed the fourth gamma load and the loads of mu between the
-    // sums (sm_90 SASS), each waiting for the data before it: big-f16's cc_gsum
-    // 1074 -> 1051 us on the H200 (float32 2045 -> 2047, mid 38.7 -> 38.3). The step takes 89 registers for float16 (2 blocks
-    // a multiprocessor): naming 4 blocks (64 registers) spilled and took 1115 us.
-    for (; ci + UNROLL <= a.Cg; ci += UNROLL) {
-      Raw<Tg, V> gr[UNROLL];
-      MuPair<Acc, Tm, V> mp[UNROLL];
-#pragma unroll
-      for (int u = 0; u < UNROLL; ++u) mp[u].load(mu, om_row + u * a.sm1, om_col + u * a.sm1, dt_mu);
-      if (gamma) {
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) ldraw<Tg, V, 1>(gamma + og + u * a.sg1, gr[u]);
-        Tg gv[UNROLL][V];
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) unpack<Tg, V>(gr[u], gv[u]);
-#pragma unroll
-        for (int e = 0; e < V; ++e) {
-          Acc gs[UNROLL];
-#pragma unroll
-          for (int u = 0; u < UNROLL; ++u) gs[u] = Cv<Acc>::from(gv[u][e]);
-#pragma unroll
-          for (int w = 1; w < UNROLL; w *= 2)
-#pragma unroll
-            for (int u = 0; u + w < UNROLL; u += 2 * w) gs[u] = aadd(gs[u], gs[u + w]);
-          acc[e] = aadd(acc[e], gs[0]);
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < UNROLL; ++u) {
-        Acc mc[V];
-        mp[u].col(mc);
-        const Acc mr = mp[u].row();
-#pragma unroll
-        for (int e = 0; e < V; ++e) acc[e] = afma(mr, mc[e], acc[e]);
-      }
-      og += UNROLL * a.sg1; om_row += UNROLL * a.sm1; om_col += UNROLL * a.sm1;
-    }
-    for (; ci < a.Cg; ++ci) {
-      Tg gv[V];
-      if (gamma) ldv<Tg, V, 1>(gamma + og, gv);
-      Acc mc[V];
-      const Acc mr = Ld<Acc, Tm>::one(mu, om_row, dt_mu);
-      Ld<Acc, Tm>::template vec<V>(mu, om_col, dt_mu, mc);
-#pragma unroll
-      for (int e = 0; e < V; ++e) {
-        Acc s = gamma ? aadd(acc[e], Cv<Acc>::from(gv[e])) : acc[e];
-        acc[e] = afma(mr, mc[e], s);
-      }
-      og += a.sg1; om_row += a.sm1; om_col += a.sm1;
-    }
-    stv<Acc, V, 0>(T + row * HW + q, acc);
-  }
-}
-
-// Work slice z of the fused kernels: its (b, g) and its chunk [c0_first, c0_end) of the
-// group's output channels.
-struct Slice { i64 b, g, bg, c0_first, c0_end; };
-__device__ __forceinline__ Slice slice_of(const Args& a, i64 z) {
-  Slice r;
-  i64 chunk;
-  divmod(z, a.nchunk, r.bg, chunk);
-  divmod(r.bg, a.G, r.b, r.g);
-  r.c0_first = r.g * a.Cog + chunk * a.chunk;
-  r.c0_end = lmin(r.c0_first + a.chunk, (r.g + 1) * a.Cog);
-  return r;
-}
-
-// ---------------------------------------------------------------- kernel 2: S and out
-// One thread: V consecutive output positions q = (i1, j1) of one p0 = (i0, j0) of one
-// (b, g), and a chunk of the group's output channels. It forms those V values of
-// S[b, g, p0, :] in registers,
-//   from T (SRC_T = 1): the kh x kw box filter of T along the diagonal offset, kh*kw
-//       loads an element from L1/L2;
-//   or from gamma and mu (SRC_T = 0): the channel sum inside the box filter, Cg*kh*kw
-//       terms an element (gamma absent: the Gram matrix of mu's patches),
-// the terms walked as one flat sequence, KU of them a step with every load of a step
-// issued before its sums (the loads hit the caches: latency, not bandwidth, bounds them).
-// Then it adds c[c0] * S into out's channel-diagonal for every channel of its chunk, V
-// elements a load and a store (16 bytes where out's (i1, j1) plane is contiguous and
-// aligned: V > 1), UNROLL channels' loads in flight before their stores. S never reaches
-// memory, which is what makes a depthwise layer (S as large as out) cost what out costs.
-// Grid: x over q, y over p0, z over (b, g, chunk); y and z loop, so any size fits. Terms
-// with a position in the padding are skipped (SPEC section 1). In-plane offsets of
-// gamma's and mu's (x1, y1) are 32-bit (the host checks they fit), the rest 64-bit.
-// Channels whose loads of out are in flight together: 8 (at 2 blocks a multiprocessor, for
-// its registers) was 1-30% slower on every layer of the suite (H200).
-#define UNROLL_OUT 4
-// out[op + c0 * so1] = src[os + c0 * so1] + c[c0] * s for the channels [c0_first, c0_end),
-// V elements a load and a store, UNROLL_OUT channels' loads in flight before their stores.
-template <typename To, typename Acc, int V>
-__device__ __forceinline__ void add_cs(const Args& a, To* op, const To* os, i64 c0_first,
-                                       i64 c0_end, const Acc (&s)[V]) {
-  for (i64 c0 = c0_first; c0 < c0_end; c0 += UNROLL_OUT) {
-    Raw<To, V> old[UNROLL_OUT];
-#pragma unroll
-    for (int u = 0; u < UNROLL_OUT; ++u)
-      if (c0 + u < c0_end) ldraw<To, V, 1>(os + (c0 + u) * a.so1, old[u]);
-#pragma unroll
-    for (int u = 0; u < UNROLL_OUT; ++u) {
-      if (c0 + u < c0_end) {
-        const Acc cv = c_of<Acc>(a, c0 + u);
-        To o[V];
-        unpack<To, V>(old[u], o);
-#pragma unroll
-        for (int e = 0; e < V; ++e) Cv<Acc>::to(o[e], afma(cv, s[e], Cv<Acc>::from(o[e])));
-        stv<To, V, 1>(op + (c0 + u) * a.so1, o);
-      }
-    }
-  }
-}
-
-// Blocks a multiprocessor from T (at most 80 registers; the direct source: 2, 128): 4 spills.
-#define FUSED_T_BLOCKS 3
-template <typename To, typename Tg, typename Acc, int V, int SRC_T>
-__global__ void __launch_bounds__(THREADS, SRC_T ? FUSED_T_BLOCKS : 2) cc_fused(const Args a) {
-  enum { KU = SRC_T ? (V >= 2 ? 16 / V : 8) : (V >= 2 ? (8 / V > 0 ? 8 / V : 1) : 4) };
-  const int H = (int)a.H, W = (int)a.W, Wo = (int)a.Wo, HoWo = (int)(a.Ho * a.Wo);
-  const int kh = (int)a.kh, kw = (int)a.kw, sh = (int)a.sh, sw = (int)a.sw;
-  const int ph = (int)a.ph, pw = (int)a.pw, dh = (int)a.dh, dw = (int)a.dw;
-  const int dt_g = (int)a.dt_gamma, dt_mu = (int)a.dt_mu;
-  const int sg4 = (int)a.sg4, sg5 = (int)a.sg5, sm2 = (int)a.sm2, sm3 = (int)a.sm3;
-  const void* gamma = (const void*)a.gamma;
-  const void* mu = (const void*)a.mu;
-  To* out = (To*)(a.to_s ? a.s : a.out);
-  const i64 HW = (i64)H * W;
-  const int nterm = kh * kw * (SRC_T ? 1 : (int)a.Cg);
-  const i64 nz = a.B * a.G * a.nchunk, nqv = HoWo / V, nw = HoWo * nqv;
-  for (i64 z = blockIdx.z; z < nz; z += gridDim.z) {
-    const Slice sl = slice_of(a, z);
-    const i64 b = sl.b, g = sl.g, bg = sl.bg, c0_first = sl.c0_first, c0_end = sl.c0_end;
-    for (i64 w = thread_index(); w < nw; w += grid_stride()) {
-      i64 p64, qv;
-      divmod(w, nqv, p64, qv);
-      const int p0 = (int)p64, q = (int)qv * V;
-      const int i0 = p0 / Wo, j0 = p0 - i0 * Wo;
-      int x1b[V], y1b[V];  // (x1, y1) of this thread's positions at kernel offset (0, 0)
-      const int i1q = q / Wo, j1q = q - i1q * Wo;
-      {
-        int i1 = i1q, j1 = j1q;
-#pragma unroll
-        for (int e = 0; e < V; ++e) {
-          x1b[e] = i1 * sh - ph; y1b[e] = j1 * sw - pw;
-          if (++j1 == Wo) { j1 = 0; ++i1; }
-        }
-      }
-      const i64 oq = i1q * a.so4 + j1q * a.so5;
-      const int x0b = i0 * sh - ph, y0b = j0 * sw - pw;
-      Acc s[V];
-#pragma unroll
-      for (int e = 0; e < V; ++e) s[e] = (Acc)0;
-      int ii = 0, ji = 0, ci = 0;  // the next term's kernel offset (and channel)
-      for (int t0 = 0; t0 < nterm; t0 += KU) {
-        if (SRC_T) {
-          Acc tv[KU][V];
-#pragma unroll
-          for (int u = 0; u < KU; ++u) {
-            const int dx = ii * dh, dy = ji * dw, x0 = x0b + dx, y0 = y0b + dy;
-            const bool row = t0 + u < nterm && (unsigned)x0 < (unsigned)H && (unsigned)y0 < (unsigned)W;
-            const Acc* tr = (const Acc*)a.t + (bg * HW + (row ? x0 * W + y0 : 0)) * HW;
-#pragma unroll
-            for (int e = 0; e < V; ++e) {
-              const int x1 = x1b[e] + dx, y1 = y1b[e] + dy;
-              tv[u][e] = row && (unsigned)x1 < (unsigned)H && (unsigned)y1 < (unsigned)W
-                         ? ldh<0>(tr + x1 * W + y1) : (Acc)0;
-            }
-            if (++ji == kw) { ji = 0; ++ii; }
-          }
-#pragma unroll
-          for (int u = 0; u < KU; ++u)
-#pragma unroll
-            for (int e = 0; e < V; ++e) s[e] = aadd(s[e], tv[u][e]);
-        } else {
-          Acc m0[KU], gv[KU][V], m1[KU][V];
-          unsigned present[KU];  // bit e: term u is inside the input for element e
-#pragma unroll
-          for (int u = 0; u < KU; ++u) {
-            const int dx = ii * dh, dy = ji * dw, x0 = x0b + dx, y0 = y0b + dy;
-            const bool row = t0 + u < nterm && (unsigned)x0 < (unsigned)H && (unsigned)y0 < (unsigned)W;
-            const i64 cig = g * a.Cg + ci;
-            const i64 om = b * a.sm0 + cig * a.sm1;
-            const i64 og = b * a.sg0 + cig * a.sg1 + x0 * a.sg2 + y0 * a.sg3;
-            m0[u] = row ? Ld<Acc, Tg>::one(mu, om + x0 * sm2 + y0 * sm3, dt_mu) : (Acc)0;
-            present[u] = 0;
-#pragma unroll
-            for (int e = 0; e < V; ++e) {
-              const int x1 = x1b[e] + dx, y1 = y1b[e] + dy;
-              const bool in = row && (unsigned)x1 < (unsigned)H && (unsigned)y1 < (unsigned)W;
-              present[u] |= (unsigned)in << e;
-              gv[u][e] = in && gamma ? Ld<Acc, Tg>::one(gamma, og + (x1 * sg4 + y1 * sg5), dt_g)
-                                     : (Acc)0;
-              m1[u][e] = in ? Ld<Acc, Tg>::one(mu, om + (x1 * sm2 + y1 * sm3), dt_mu) : (Acc)0;
-            }
-            if (++ci == (int)a.Cg) { ci = 0; if (++ji == kw) { ji = 0; ++ii; } }
-          }
-          // An absent term is skipped, not added as 0 * mu: mu may be Inf.
-#pragma unroll
-          for (int u = 0; u < KU; ++u)
-#pragma unroll
-            for (int e = 0; e < V; ++e)
-              if ((present[u] >> e) & 1u) s[e] = afma(m0[u], m1[u][e], aadd(s[e], gv[u][e]));
-        }
-      }
-      To* op = out + b * a.so0 + i0 * a.so2 + j0 * a.so3 + oq;
-      const To* os = (const To*)a.src + (op - out);  // op's element of src (not for to_s)
-      if (a.to_s) {  // S itself (Acc = To): stored, not added
-        To o[V];
-#pragma unroll
-        for (int e = 0; e < V; ++e) Cv<Acc>::to(o[e], s[e]);
-        stv<To, V, 0>(op + c0_first * a.so1, o);
-        continue;
-      }
-      add_cs<To, Acc, V>(a, op, os, c0_first, c0_end, s);
-    }
-  }
-}
-
-// ---------------------------------------------------------------- kernel 2': S by planes
-// cc_planes forms S from gamma and mu through shared memory, with no T. A plane of S,
-// S[b, g, i0, :, i1, :], is the sum over ii of a diagonal kw-term box filter of one plane
-// of the channel sum P[x0, :, x1, :] = sum over ci of the group of gamma + mu (x) mu, at
-// x0 = i0*sh + ii*dh - ph, x1 = x0 + (i1 - i0)*sh. A block takes a run of R consecutive
-// planes of S along one diagonal i1 - i0 (_plan.planes): the U = sh*(R-1) + dh*(kh-1) + 1
-// planes of P they read are summed once each, straight from gamma and mu, VG elements
-// along y1 a load, into shared memory (a plane: Wp rows y0 + pw, Wq columns y1 + pw, the
-// columns stored by class modulo sw, Wc = Wq / sw a class, so that the V columns
-// (j1 + e)*sw + ji*dw of a term are consecutive words; what lies in the padding stays
-// zero from the block's start, so an absent term adds nothing and NaN/Inf in mu never
-// meets a padded zero). Each element of S is then kh*kw reads of shared memory, and
-// c[c0] * S goes into out for the chunk's channels (add_cs). gamma is read U / R times
-// (the overlap from L2, where the neighbouring run read it), and nothing the size of T or
-// S goes through memory. Grid: x over (diagonal, run), z over (b, g, chunk); both loop.
+// ---------------------------------------------------------------- out += c * S
+// ---------------------------------------------------------------- the walk: S, and out
+// (docs/cupy.md "The design"; t counts planes of S along a diagonal, u planes of Q along a
+// block's segment.) A block takes one (b, g), one diagonal di = i1 - i0 of S's planes
+// S[b, g, i0, :, i1, :] (or a segment of it: the planes t in [t_first, t_end), at
+// i0 = max(0, -di) + t, i1 = i0 + di) and one tile of each plane (j0 in [J0, J0 + tj0),
+// j1 in [J1, J1 + tj1)). With x0 = xs + u and x1 = x0 + di*sh,
+//   Q_u[y0, y1] = sum over ci of the group of gamma[b, ci, x0, y0, (ci,) x1, y1]
+//                                            + mu[b, ci, x0, y0] * mu[b, ci, x1, y1],
+//   T_u[j0, j1] = sum over ji of Q_u[j0*sw + ji*dw - pw, j1*sw + ji*dw - pw],
+//   S_t         = sum over ii of T_u, u = (t - t_first)*sh + ii*dh (x0 and x1 in the input).
+// The block walks its segment R planes of S a step. The planes Q_u that a step reads
+// first are summed from gamma and mu into shared memory, nq at a time (each element of
+// gamma the block needs is read once, VG elements a load, UNROLL channels in flight), and
+// row-filtered into a ring of nslot planes of T; each plane of S is then kh reads of the
+// ring, and c[c0] * S goes into out for every output channel of the group (STORE 0,
+// add_cs) or S itself into the scratch for cc_stream (STORE 1). A tile of Q keeps zeros
+// where y0 or y1 lies in the padding (written when the block starts, never again), so an
+// absent term adds nothing and NaN or Inf in mu never meets a padded zero; planes with
+// x0 or x1 in the padding are skipped. Grid: x over the blocks' items, the longest
+// diagonals first (they take longest); it loops past CUDA's limit.
 #ifdef __CUDA_ARCH__
-extern __shared__ __align__(16) unsigned char planes_smem[];
-#define BLOCK_SYNC() __syncthreads()
-#define COOP_FIRST ((int)threadIdx.x)
-#define COOP_STEP ((int)blockDim.x)
+extern __shared__ __align__(16) unsigned char walk_smem[];
+#define TID ((int)threadIdx.x)
+#define NTHR ((int)blockDim.x)
+#define SYNC() __syncthreads()
 #else
-// The host build runs a block's threads in turn: each fills all of P (the same values each
-// time), then forms its own elements.
-static unsigned char planes_smem[1 << 16];
-#define BLOCK_SYNC()
-#define COOP_FIRST 0
-#define COOP_STEP 1
+// The host build runs one thread a block (TID 0 of 1): it takes every item of each phase
+// in turn, and the barriers have nothing to order.
+static unsigned char walk_smem[1 << 16] __attribute__((aligned(16)));
+#define TID 0
+#define NTHR 1
+#define SYNC()
 #endif
-// Blocks a multiprocessor, so 64 registers: 3 (80 registers) took mb-dw 1605 -> 1764 us (H200).
-#ifndef PLANES_BLOCKS
-#define PLANES_BLOCKS 4
+
+__device__ __forceinline__ int imin(int x, int y) { return x < y ? x : y; }
+__device__ __forceinline__ int imax(int x, int y) { return x > y ? x : y; }
+
+// The items (a, b, c) of an (any) x nb x nc space that one thread of a block takes: TID
+// first, then every NTHR-th, carried as three counters (no division per item).
+struct Items {
+  int a, b, c, da, db, dc, nb, nc;
+  __device__ __forceinline__ Items(int nb_, int nc_) : nb(nb_), nc(nc_) {
+    const int n = nb * nc;
+    a = TID / n; b = (TID - a * n) / nc; c = TID - a * n - b * nc;
+    da = NTHR / n; db = (NTHR - da * n) / nc; dc = NTHR - da * n - db * nc;
+  }
+  __device__ __forceinline__ void next() {
+    c += dc; if (c >= nc) { c -= nc; ++b; }
+    b += db; if (b >= nb) { b -= nb; ++a; }
+    a += da;
+  }
+};
+
+// VG elements of an input (gamma or mu): a typed one stays raw from its load until its
+// values are wanted, so that a thread issues all of a step's loads before its first sum
+// (a warp issues in order); a run-time typed one (anyt: mixed dtypes) converts at once.
+template <typename Acc, typename T, int VG> struct In {
+  Raw<T, VG> r;
+  template <int HINT> __device__ __forceinline__ void load(const void* p, i64 off, int) {
+    ldraw<T, VG, HINT>((const T*)p + off, r);
+  }
+  __device__ __forceinline__ void get(Acc (&v)[VG]) const {
+    T t[VG];
+    unpack<T, VG>(r, t);
+#pragma unroll
+    for (int e = 0; e < VG; ++e) v[e] = Cv<Acc>::from(t[e]);
+  }
+};
+template <typename Acc, int VG> struct In<Acc, anyt, VG> {
+  Acc x[VG];
+  template <int HINT> __device__ __forceinline__ void load(const void* p, i64 off, int dt) {
+    ldv_any<Acc, VG>(p, off, dt, x);
+  }
+  __device__ __forceinline__ void get(Acc (&v)[VG]) const {
+#pragma unroll
+    for (int e = 0; e < VG; ++e) v[e] = x[e];
+  }
+};
+
+
+// s += sum over Cg channels of VG elements of an input at off + ci * step, INFLIGHT bytes of
+// loads in flight before their sums.
+template <typename Acc, typename T, int VG, int HINT>
+__device__ __forceinline__ void sum_channels(Acc (&s)[VG], const void* p, i64 off, i64 step,
+                                             i64 Cg, int dt) {
+  enum { UNROLL = LOADS_FOR(VG * (int)sizeof(T)) };
+  i64 ci = 0;
+  for (; ci + UNROLL <= Cg; ci += UNROLL, off += UNROLL * step) {
+    In<Acc, T, VG> x[UNROLL];
+#pragma unroll
+    for (int k = 0; k < UNROLL; ++k) x[k].template load<HINT>(p, off + k * step, dt);
+#pragma unroll
+    for (int k = 0; k < UNROLL; ++k) {
+      Acc v[VG];
+      x[k].get(v);
+#pragma unroll
+      for (int e = 0; e < VG; ++e) s[e] = aadd(s[e], v[e]);
+    }
+  }
+  for (; ci < Cg; ++ci, off += step) {
+    In<Acc, T, VG> x;
+    x.template load<HINT>(p, off, dt);
+    Acc v[VG];
+    x.get(v);
+#pragma unroll
+    for (int e = 0; e < VG; ++e) s[e] = aadd(s[e], v[e]);
+  }
+}
+
+// s += sum over Cg channels of mu[o0] * mu[o1 .. o1 + VG) (mu is small: its loads hit the
+// caches), INFLIGHT bytes of loads in flight.
+template <typename Acc, typename T, int VG>
+__device__ __forceinline__ void sum_products(Acc (&s)[VG], const void* mu, i64 o0, i64 o1,
+                                             i64 step, i64 Cg, int dt) {
+  enum { UNROLL = LOADS_FOR(VG * (int)sizeof(T)) };
+  i64 ci = 0;
+  for (; ci + UNROLL <= Cg; ci += UNROLL, o0 += UNROLL * step, o1 += UNROLL * step) {
+    In<Acc, T, 1> m0[UNROLL];
+    In<Acc, T, VG> m1[UNROLL];
+#pragma unroll
+    for (int k = 0; k < UNROLL; ++k) {
+      m0[k].template load<0>(mu, o0 + k * step, dt);
+      m1[k].template load<0>(mu, o1 + k * step, dt);
+    }
+#pragma unroll
+    for (int k = 0; k < UNROLL; ++k) {
+      Acc m[1], v[VG];
+      m0[k].get(m);
+      m1[k].get(v);
+#pragma unroll
+      for (int e = 0; e < VG; ++e) s[e] = afma(m[0], v[e], s[e]);
+    }
+  }
+  for (; ci < Cg; ++ci, o0 += step, o1 += step) {
+    In<Acc, T, 1> m0;
+    In<Acc, T, VG> m1;
+    m0.template load<0>(mu, o0, dt);
+    m1.template load<0>(mu, o1, dt);
+    Acc m[1], v[VG];
+    m0.get(m);
+    m1.get(v);
+#pragma unroll
+    for (int e = 0; e < VG; ++e) s[e] = afma(m[0], v[e], s[e]);
+  }
+}
+
+// op[k * so1] = os[k * so1] + cs[k] * s for the group's Cog output channels k, V elements a
+// load and a store, INFLIGHT bytes of loads of out in flight before their stores.
+template <typename To, typename Acc, int V>
+__device__ __forceinline__ void add_cs(To* op, const To* os, i64 so1, int Cog, const Acc* cs,
+                                       const Acc (&s)[V]) {
+  enum { UNROLL = LOADS_FOR(V * (int)sizeof(To)) };
+  for (int k0 = 0; k0 < Cog; k0 += UNROLL) {
+    Raw<To, V> old[UNROLL];
+#pragma unroll
+    for (int k = 0; k < UNROLL; ++k)
+      if (k0 + k < Cog) ldraw<To, V, 1>(os + (k0 + k) * so1, old[k]);
+#pragma unroll
+    for (int k = 0; k < UNROLL; ++k) {
+      if (k0 + k < Cog) {
+        To o[V];
+        unpack<To, V>(old[k], o);
+#pragma unroll
+        for (int e = 0; e < V; ++e) Cv<Acc>::to(o[e], afma(cs[k0 + k], s[e], Cv<Acc>::from(o[e])));
+        stv<To, V, 1>(op + (k0 + k) * so1, o);
+      }
+    }
+  }
+}
+
+#ifndef WALK_BLOCKS
+#define WALK_BLOCKS 3  // blocks a multiprocessor ptxas sizes the registers for (80 each)
 #endif
-template <typename To, typename Tg, typename Acc, int V, int VG>
-__global__ void __launch_bounds__(THREADS, PLANES_BLOCKS) cc_planes(const Args a) {
+template <typename To, typename Tin, typename Acc, int V, int VG, int STORE>
+__global__ void __launch_bounds__(THREADS, WALK_BLOCKS) cc_walk(const Args a) {
+#ifndef __CUDA_ARCH__
+  if (threadIdx.x) return;
+#endif
+  enum { VT = 4 };  // rows of T a thread forms at once (one column: no bank conflicts)
   const int H = (int)a.H, W = (int)a.W, Ho = (int)a.Ho, Wo = (int)a.Wo;
   const int kh = (int)a.kh, kw = (int)a.kw, sh = (int)a.sh, sw = (int)a.sw;
   const int ph = (int)a.ph, pw = (int)a.pw, dh = (int)a.dh, dw = (int)a.dw;
-  const int dt_g = (int)a.dt_gamma, dt_mu = (int)a.dt_mu, R = (int)a.runp, Wq = (int)a.wq;
-  const int U = sh * (R - 1) + dh * (kh - 1) + 1, Wp = sw * (Wo - 1) + dw * (kw - 1) + 1;
-  const int PP = Wp * Wq, Wc = Wq / sw, nqv = Wo / V, per_plane = Wo * nqv;
-  const int nrun = (Ho + R - 1) / R;
-  // The rows y0 and vectors of y1 that some element reads, inside the input.
-  const int nrow = W < Wp - pw ? W : Wp - pw, nvec = (nrow + VG - 1) / VG, per_u = nrow * nvec;
+  const int R = (int)a.runp, seglen = (int)a.seglen, nseg = (int)a.nseg;
+  const int tj0 = (int)a.tj0, tj1 = (int)a.tj1, ntj1 = (int)a.ntj1, ntile = (int)a.ntile;
+  const int nq = (int)a.nq, nslot = (int)a.nslot, wq = (int)a.wq, tp = (int)a.tp;
+  const int hq = (tj0 - 1) * sw + (kw - 1) * dw + 1;   // rows of a tile of Q
+  const int span1 = (tj1 - 1) * sw + (kw - 1) * dw + 1;  // its columns that T reads
+  const int dt_g = (int)a.dt_gamma, dt_mu = (int)a.dt_mu;
   const void* gamma = (const void*)a.gamma;
   const void* mu = (const void*)a.mu;
-  To* out = (To*)a.out;
-  Acc* P = reinterpret_cast<Acc*>(planes_smem);
-  for (int e = COOP_FIRST; e < U * PP; e += COOP_STEP) P[e] = (Acc)0;  // the padding
-  const int dwm = dw % sw, dwq = dw / sw;  // a step of dw columns: of classes, of places
-  const i64 nz = a.B * a.G * a.nchunk, nx = (i64)(2 * Ho - 1) * nrun;
-  for (i64 z = blockIdx.z; z < nz; z += gridDim.z) {
-    const Slice sl = slice_of(a, z);
-    const i64 b = sl.b, c0_first = sl.c0_first, c0_end = sl.c0_end;
-    const i64 og_b = b * a.sg0 + sl.g * a.Cg * a.sg1, om_b = b * a.sm0 + sl.g * a.Cg * a.sm1;
-    for (i64 xb = blockIdx.x; xb < nx; xb += gridDim.x) {
-      const int d = (int)(xb / nrun), di = d - (Ho - 1), t0 = (int)(xb - (i64)d * nrun) * R;
-      const int L = Ho - (di < 0 ? -di : di);  // planes on this diagonal
-      if (t0 >= L) continue;  // (uniform across the block)
-      const int nt = L - t0 < R ? L - t0 : R;
-      const int i0a = t0 + (di < 0 ? -di : 0), i1a = t0 + (di > 0 ? di : 0);
-      const int x0a = i0a * sh - ph, dx = (i1a - i0a) * sh;
-      u64 run = 0, used = 0;  // bit u: plane u of P is read by one of the run's nt planes of S
-      for (int t = 0; t < nt; ++t) run |= 1ull << (t * sh);
-      for (int ii = 0; ii < kh; ++ii) used |= run << (ii * dh);
-      BLOCK_SYNC();  // the previous run's reads of P are done (and the padding's zeros)
-      for (int n = COOP_FIRST; n < U * per_u; n += COOP_STEP) {
-        const int u = n / per_u, r = n - u * per_u, y0 = r / nvec, y1 = (r - y0 * nvec) * VG;
-        if ((used >> u) & 1u) {
-          const int x0 = x0a + u, x1 = x0 + dx;
-          Acc s[VG];
+  Acc* Q = reinterpret_cast<Acc*>(walk_smem);
+  Acc* Tr = Q + nq * hq * wq;
+  Acc* cs = Tr + nslot * tj0 * tp;  // c of the group's output channels (STORE 0)
+  const i64 BG = a.B * a.G, HoWo = (i64)Ho * Wo;
+  // The residues u mod sh that some ii reaches (a plane of another residue is never read;
+  // strides past 64 count every plane).
+  u64 reach = 0;
+  for (int ii = 0; ii < kh && sh <= 64; ++ii) reach |= 1ull << ((ii * dh) % sh);
+  for (i64 id = blockIdx.x; id < a.n; id += gridDim.x) {
+    // id = ((rank * nseg + seg) * ntile + tile) * B*G + (b*G + g)
+    i64 rest = id / BG;
+    const i64 bg = id - rest * BG, b = bg / a.G, g = bg - b * a.G;
+    const int tile = (int)(rest % ntile);
+    rest /= ntile;
+    const int rank = (int)(rest / nseg), seg = (int)(rest - (i64)rank * nseg);
+    const int di = rank == 0 ? 0 : (rank & 1 ? -(rank + 1) / 2 : rank / 2);
+    const int L = Ho - (di < 0 ? -di : di), t_first = seg * seglen;
+    if (t_first >= L) continue;  // (uniform across the block)
+    const int t_end = imin(L, t_first + seglen);
+    const int J0 = tile / ntj1 * tj0, J1 = (tile - tile / ntj1 * ntj1) * tj1;
+    const int i0d = di < 0 ? -di : 0, dx = di * sh, xs = (i0d + t_first) * sh - ph;
+    const int ulo = imax(0, -dx) - xs, uhi = imin(H, H - dx) - xs;  // x0, x1 in the input
+    // The tile of Q: rows y0 - Y0lo, columns y1 - base1 (16-byte aligned vectors).
+    const int Y0lo = J0 * sw - pw, Y1lo = J1 * sw - pw;
+    const int off = ((Y1lo % 4) + 4) % 4, base1 = Y1lo - off;
+    const int y0a = imax(0, Y0lo), y0b = imin(W, Y0lo + hq);
+    const int y1a = imax(0, Y1lo) / VG * VG, y1b = imin(W, Y1lo + span1);
+    const int nrow = y0b - y0a, nvec = y1b > y1a ? (y1b - y1a + VG - 1) / VG : 0;
+    const i64 ogb = b * a.sg0 + g * a.Cg * a.sg1, omb = b * a.sm0 + g * a.Cg * a.sm1;
+    auto wanted = [&](int u) {  // plane u of Q is inside the input and read by some S_t
+      return u >= ulo && u < uhi && (sh > 64 || ((reach >> (u % sh)) & 1));
+    };
+    for (int e = TID; e < nq * hq * wq; e += NTHR) Q[e] = (Acc)0;
+    for (int k = TID; k < (STORE ? 0 : (int)a.Cog); k += NTHR) cs[k] = c_of<Acc>(a, g * a.Cog + k);
+    SYNC();
+    int u_next = 0;  // the first plane of Q not yet in the ring
+    for (int t0 = t_first; t0 < t_end; t0 += R) {
+      const int t1 = imin(t_end, t0 + R);
+      const int u_need = (t1 - 1 - t_first) * sh + (kh - 1) * dh;
+      while (u_next <= u_need) {
+        const int ub = u_next, nb = imin(nq, u_need + 1 - ub), sb = ub % nslot;
+        u_next += nb;
+        // 1. Q_u for u in [ub, ub + nb): plane p = u - ub of the staging area
+        if (nrow > 0 && nvec > 0) {
+          int pa = -1;
+          bool ok = false;
+          for (Items w(nrow, nvec); w.a < nb; w.next()) {
+            if (w.a != pa) { pa = w.a; ok = wanted(ub + pa); }
+            if (!ok) continue;
+            const int x0 = xs + ub + w.a, x1 = x0 + dx, y0 = y0a + w.b, y1 = y1a + w.c * VG;
+            Acc s[VG];
 #pragma unroll
-          for (int e = 0; e < VG; ++e) s[e] = (Acc)0;
-          if ((unsigned)x0 < (unsigned)H && (unsigned)x1 < (unsigned)H) {
-            i64 og = og_b + x0 * a.sg2 + y0 * a.sg3 + x1 * a.sg4 + y1 * a.sg5;
-            i64 om0 = om_b + x0 * a.sm2 + y0 * a.sm3, om1 = om_b + x1 * a.sm2 + y1 * a.sm3;
-#pragma unroll 2
-            for (i64 ci = 0; ci < a.Cg; ++ci, og += a.sg1, om0 += a.sm1, om1 += a.sm1) {
-              Acc gv[VG], m1[VG];
-              if (gamma) Ld<Acc, Tg>::template vec<VG>(gamma, og, dt_g, gv);
-              const Acc m0 = Ld<Acc, Tg>::one(mu, om0, dt_mu);
-              Ld<Acc, Tg>::template vec<VG>(mu, om1, dt_mu, m1);
+            for (int e = 0; e < VG; ++e) s[e] = (Acc)0;
+            if (gamma)  // gamma is read once: streaming loads (evict first)
+              sum_channels<Acc, Tin, VG, 1>(
+                  s, gamma, ogb + x0 * a.sg2 + y0 * a.sg3 + x1 * a.sg4 + y1 * a.sg5, a.sg1, a.Cg, dt_g);
+            const i64 om0 = omb + x0 * a.sm2 + y0 * a.sm3, om1 = omb + x1 * a.sm2 + y1 * a.sm3;
+            sum_products<Acc, Tin, VG>(s, mu, om0, om1, a.sm1, a.Cg, dt_mu);
+            Acc* qr = Q + (w.a * hq + (y0 - Y0lo)) * wq;
+            const int lc = y1 - base1;
+            if (lc >= 0 && lc + VG <= wq) {
+              stv<Acc, VG, 0>(qr + lc, s);
+            } else {  // a vector across the tile's edge: its elements inside it
 #pragma unroll
-              for (int e = 0; e < VG; ++e) s[e] = afma(m0, m1[e], gamma ? aadd(s[e], gv[e]) : s[e]);
+              for (int e = 0; e < VG; ++e)
+                if (lc + e >= 0 && lc + e < wq) qr[lc + e] = s[e];
             }
           }
-          Acc* pp = P + u * PP + (y0 + pw) * Wq;
-          int cm = (y1 + pw) % sw, cq = (y1 + pw) / sw;  // column y1 + pw: class, place
+        }
+        SYNC();
+        // 2. T_u from Q_u, into the ring's slot u mod nslot: VT rows of one column a thread
+        {
+          int pa = -1, slot = 0;
+          bool ok = false;
+          for (Items w((tj0 + VT - 1) / VT, tj1); w.a < nb; w.next()) {
+            if (w.a != pa) {
+              pa = w.a; ok = wanted(ub + pa); slot = sb + pa;
+              if (slot >= nslot) slot -= nslot;
+            }
+            if (!ok) continue;
+            const int r0 = w.b * VT, c1 = w.c;
+            const Acc* q = Q + (w.a * hq + r0 * sw) * wq + c1 * sw + off;
+            Acc t[VT];
 #pragma unroll
-          for (int e = 0; e < VG; ++e) {
-            pp[cm * Wc + cq] = s[e];
-            if (++cm == sw) { cm = 0; ++cq; }
+            for (int e = 0; e < VT; ++e) t[e] = (Acc)0;
+            for (int ji = 0; ji < kw; ++ji, q += dw * (wq + 1)) {
+#pragma unroll
+              for (int e = 0; e < VT; ++e)
+                if (r0 + e < tj0) t[e] = aadd(t[e], q[e * sw * wq]);
+            }
+            Acc* tr = Tr + (slot * tj0 + r0) * tp + c1;
+#pragma unroll
+            for (int e = 0; e < VT; ++e)
+              if (r0 + e < tj0) tr[e * tp] = t[e];
           }
         }
+        SYNC();
       }
-      BLOCK_SYNC();
-      for (int w = (int)threadIdx.x; w < nt * per_plane; w += (int)blockDim.x) {
-        const int tt = w / per_plane, r = w - tt * per_plane, j0 = r / nqv;
-        const int j1 = (r - j0 * nqv) * V;
-        To* op = out + b * a.so0 + (i0a + tt) * a.so2 + j0 * a.so3 + (i1a + tt) * a.so4 + j1 * a.so5;
-        const To* os = (const To*)a.src + (op - out);
-        Raw<To, V> old;  // the first channel's out, loaded before S is formed
-        ldraw<To, V, 1>(os + c0_first * a.so1, old);
+      // 3. S_t for t in [t0, t1), and out
+      const int s0 = ((t0 - t_first) * sh) % nslot;
+      for (Items w(tj0, tj1 / V); w.a < t1 - t0; w.next()) {
+        const int j0 = J0 + w.b, j1 = J1 + w.c * V, i0 = i0d + t0 + w.a, i1 = i0 + di;
+        if (j0 >= Wo || j1 >= Wo) continue;
+        int sl = s0 + w.a * sh;
+        if (sl >= nslot) sl -= nslot;
         Acc s[V];
 #pragma unroll
         for (int e = 0; e < V; ++e) s[e] = (Acc)0;
-        // Term (ii, ji): row j0*sw + ji*dw of plane tt*sh + ii*dh; columns
-        // (j1 + e)*sw + ji*dw, of class (ji*dw) % sw: V consecutive places.
-        const Acc* pr = P + tt * sh * PP + j0 * sw * Wq + j1;
-        for (int ji = 0, cm = 0, cq = 0; ji < kw; ++ji, pr += dw * Wq, cm += dwm, cq += dwq) {
-          if (cm >= sw) { cm -= sw; ++cq; }
-          for (int ii = 0; ii < kh; ++ii) {
-            const Acc* q = pr + ii * dh * PP + cm * Wc + cq;
+        for (int ii = 0, u = (t0 + w.a - t_first) * sh; ii < kh; ++ii, u += dh) {
+          if (u >= ulo && u < uhi) {
+            Acc v[V];
+            ldv<Acc, V, 2>(Tr + (sl * tj0 + w.b) * tp + w.c * V, v);  // (shared: plain loads)
 #pragma unroll
-            for (int e = 0; e < V; ++e) s[e] = aadd(s[e], q[e]);
+            for (int e = 0; e < V; ++e) s[e] = aadd(s[e], v[e]);
           }
+          sl += dh;
+          if (sl >= nslot) sl -= nslot;
         }
-        {
-          const Acc cv = c_of<Acc>(a, c0_first);
+        if (STORE) {
           To o[V];
-          unpack<To, V>(old, o);
 #pragma unroll
-          for (int e = 0; e < V; ++e) Cv<Acc>::to(o[e], afma(cv, s[e], Cv<Acc>::from(o[e])));
-          stv<To, V, 1>(op + c0_first * a.so1, o);
+          for (int e = 0; e < V; ++e) Cv<Acc>::to(o[e], s[e]);
+          stv<To, V, 0>((To*)a.s + ((bg * Ho + i0) * Wo + j0) * HoWo + i1 * Wo + j1, o);
+        } else {
+          const i64 oo = b * a.so0 + g * a.Cog * a.so1 + i0 * a.so2 + j0 * a.so3 + i1 * a.so4 + j1 * a.so5;
+          add_cs<To, Acc, V>((To*)a.out + oo, (const To*)a.src + oo, a.so1, (int)a.Cog, cs, s);
         }
-        add_cs<To, Acc, V>(a, op, os, c0_first + 1, c0_end, s);
       }
+      SYNC();  // before the next step's T reuses the ring
     }
   }
 }
 
-// ---------------------------------------------------------------- kernel 3: out += c * S
+// ---------------------------------------------------------------- out += c * S, streamed
 // Where each group has many output channels, S (Co / G times smaller than out) is written
-// once by cc_fused (to_s) and out is streamed in address order, as a copy is: per (b, c0),
-// its nseg rows of seg_len contiguous elements (one row for a contiguous block, else one
-// per p0), V elements a load, STREAM_U loads a thread in flight, S re-read from L2.
+// once by cc_walk (STORE) and out is streamed in address order, as a copy is: per (b, c0),
+// its nseg_rows rows of seg_len contiguous elements (one row for a contiguous block, else
+// one per p0), V elements a load, STREAM_U loads a thread in flight, S re-read from L2.
 // Grid: x over a row's vectors, y over rows, z over (b, c0); each loops.
 #define STREAM_U 4
 template <typename To, typename Acc, int V>
@@ -841,9 +701,9 @@ __global__ void __launch_bounds__(THREADS) cc_stream(const Args a) {
     divmod(z, Co, b, c0);
     const Acc cv = c_of<Acc>(a, c0);
     const Acc* s_bg = (const Acc*)a.s + (b * a.G + c0 / a.Cog) * HoWo * HoWo;
-    for (i64 r = blockIdx.y * blockDim.y + threadIdx.y; r < a.nseg; r += (i64)gridDim.y * blockDim.y) {
+    for (i64 r = blockIdx.y * blockDim.y + threadIdx.y; r < a.nseg_rows; r += (i64)gridDim.y * blockDim.y) {
       const int i0 = (int)r / Wo, j0 = (int)r - i0 * Wo;
-      To* o = (To*)a.out + b * a.so0 + c0 * a.so1 + (a.nseg > 1 ? i0 * a.so2 + j0 * a.so3 : 0);
+      To* o = (To*)a.out + b * a.so0 + c0 * a.so1 + (a.nseg_rows > 1 ? i0 * a.so2 + j0 * a.so3 : 0);
       const To* os = (const To*)a.src + (o - (To*)a.out);
       const Acc* sr = s_bg + r * a.seg_len;
       for (i64 n0 = (i64)blockIdx.x * STREAM_U * blockDim.x + threadIdx.x; n0 < nv; n0 += step) {
@@ -1042,9 +902,12 @@ _MU_CPT = 16  # channels a thread of cc_vjp_mu sums (MU_CPT in SOURCE)
 _VJP_CHUNK = None
 
 
-def _widths(itemsize):
-    """Vector widths (elements) that the fast kernels are instantiated for: up to 16 bytes."""
-    return [v for v in (1, 2, 4, 8) if v * itemsize <= 16]
+def _widths(itemsize, most=16):
+    """Vector widths (elements) the kernels are instantiated for: up to ``most`` bytes."""
+    return [v for v in (1, 2, 4, 8, 16) if v * itemsize <= most]
+
+
+_SIZE = {"f16": 2, "bf16": 2, "float": 4, "double": 8}
 
 
 def _family_names(family):
@@ -1052,17 +915,19 @@ def _family_names(family):
     kind, cxx, acc = family
     if kind == "vjp":  # the backward: grad_gamma stored as cxx (or only D, stored as acc)
         stores = dict.fromkeys((cxx, acc))
-        return ([f"cc_vjp_gamma<{t}, {acc}, {v}>" for t in stores
-                 for v in _widths({"f16": 2, "bf16": 2, "float": 4, "double": 8}[t])]
+        return ([f"cc_vjp_gamma<{t}, {acc}, {v}>" for t in stores for v in _widths(_SIZE[t])]
                 + [f"cc_vjp_link<{acc}>", f"cc_vjp_mu<{acc}>"])
-    size = {"f16": 2, "bf16": 2, "float": 4, "double": 8}[cxx]
-    return ([f"cc_gsum<{cxx}, {cxx}, {acc}, {v}>" for v in _widths(size)]
-            + [f"cc_gsum<{cxx}, anyt, {acc}, 1>"]
-            + [f"cc_fused<{cxx}, {tg}, {acc}, {v}, {src_t}>" for v in _widths(size)
-               for tg, src_t in ((cxx, 0), ("anyt", 0), (cxx, 1))]
-            + [f"cc_planes<{cxx}, {tg}, {acc}, {v}, {vg}>" for v in _widths(size)
-               for tg, vg in ((cxx, 1), (cxx, 16 // size), ("anyt", 1))]
-            + [f"cc_stream<{cxx}, {acc}, {v}>" for v in _widths(size)])
+    most = _plan.VECTOR_BYTES
+    vgs = (1, *(b // _SIZE[cxx] for b in (16, 32) if b <= most))
+    # cc_walk adding into an out of type cxx (gamma and mu typed cxx, or run-time typed),
+    # and storing S (type acc) from gamma and mu of type cxx (or run-time typed)
+    return ([f"cc_walk<{cxx}, {cxx}, {acc}, {v}, {vg}, 0>" for v in _widths(_SIZE[cxx], most)
+             for vg in vgs]
+            + [f"cc_walk<{cxx}, anyt, {acc}, {v}, 1, 0>" for v in _widths(_SIZE[cxx], most)]
+            + [f"cc_walk<{acc}, {cxx}, {acc}, {v}, {vg}, 1>" for v in _widths(_SIZE[acc], most)
+               for vg in vgs]
+            + [f"cc_walk<{acc}, anyt, {acc}, {v}, 1, 1>" for v in _widths(_SIZE[acc], most)]
+            + [f"cc_stream<{cxx}, {acc}, {v}>" for v in _widths(_SIZE[cxx])])
 
 
 #: The kernels' ``Args`` struct as a NumPy dtype: ``_ARGS_STRUCT``'s layout (every field 8
@@ -1072,9 +937,8 @@ def _family_names(family):
 #: reads the dtype's description on every launch, which costs per field.
 _ARGS = np.dtype([("words", "<i8", (len(_FIELDS),))])
 #: Args slots a forward call writes, in the order _launch gives their values: the
-#: addresses of out, gamma, mu, c, T, S and src, and c's bits when c is a number (c_value).
-_CALL_SLOTS = np.array([_SLOT[n] for n in ("out", "gamma", "mu", "c", "t", "s", "src",
-                                           "c_value")])
+#: addresses of out, gamma, mu, c, S and src, and c's bits when c is a number (c_value).
+_CALL_SLOTS = np.array([_SLOT[n] for n in ("out", "gamma", "mu", "c", "s", "src", "c_value")])
 _BLOCK = (_THREADS,)
 
 
@@ -1145,17 +1009,13 @@ class _StreamHandle:
 
 class _Plan(_Launches):
     """The launches of one call signature, and the scratch they need: ``scratch``
-    elements of the accumulation type, S first (where it goes through memory; padded to
-    256 bytes), T (where S is formed from it) at ``t_offset`` bytes."""
+    elements of the accumulation type (S, where it goes through memory; else 0)."""
 
-    __slots__ = ("scratch", "t_offset", "acc")
+    __slots__ = ("scratch", "acc")
 
-    def __init__(self, launches, s_items, t_items, acc):
+    def __init__(self, launches, s_items, acc):
         super().__init__(launches)
-        size = 8 if acc == "float64" else 4
-        s_pad = -(-s_items * size // _ALIGN) * _ALIGN // size
-        self.acc = acc
-        self.scratch, self.t_offset = s_pad + t_items, s_pad * size
+        self.scratch, self.acc = s_items, acc
 
 
 class _VjpPlan(_Launches):
@@ -1254,14 +1114,14 @@ class CupyBackend(Backend):
 
     # ------------------------------------------------------------ planning
     def _plan(self, p, dev):
+        """The launches of one call signature (docs/cupy.md, "The design"): cc_walk, adding
+        c * S into out, or, where many output channels share S, storing S for cc_stream."""
         oi, gi, mi, ci = p.out_info, p.gamma_info, p.mu_info, p.c_info
-        B, G, H, W, Ho, Wo = p.B, p.G, p.H, p.W, p.Ho, p.Wo
-        Cg, Cog = p.Ci // G, p.Co // G
-        HW = H * W
+        B, G, W, Ho, Wo = p.B, p.G, p.W, p.Ho, p.Wo
+        Cog = p.Co // G
         acc = p.acc
-        acc_cxx = _ACC_CXX[acc]
-        sms, threads_per_sm = self._sm_threads(dev)
-        capacity = sms * threads_per_sm  # threads resident at once
+        acc_cxx, acc_size = _ACC_CXX[acc], _DTYPES[acc][2]
+        sms, _ = self._sm_threads(dev)
 
         # Strides in elements, the channel diagonal folded into one stride.
         so = diag_strides(oi.strides, p.full_out)
@@ -1269,92 +1129,65 @@ class CupyBackend(Backend):
         sm = tuple(mi.strides)
         sc = 0 if ci is None or ci.shape == () else ci.strides[0]
         base = dict(
-            B=B, G=G, Cg=Cg, Cog=Cog, H=H, W=W, Ho=Ho, Wo=Wo, kh=p.kh, kw=p.kw, sh=p.sh,
-            sw=p.sw, ph=p.ph, pw=p.pw, dh=p.dh, dw=p.dw, sc=sc,
+            B=B, G=G, Cg=p.Ci // G, Cog=Cog, H=p.H, W=W, Ho=Ho, Wo=Wo, kh=p.kh, kw=p.kw,
+            sh=p.sh, sw=p.sw, ph=p.ph, pw=p.pw, dh=p.dh, dw=p.dw, sc=sc,
             dt_out=_DTYPES[oi.dtype][0], dt_gamma=_DTYPES[gi.dtype][0] if gi else 0,
             dt_mu=_DTYPES[mi.dtype][0], dt_c=_DTYPES[ci.dtype][0] if ci else 0,
-            nchunk=1, chunk=Cog,
         )
         base.update({f"so{i}": v for i, v in enumerate(so)})
         base.update({f"sg{i}": v for i, v in enumerate(sg)})
         base.update({f"sm{i}": v for i, v in enumerate(sm)})
 
-        def launch(name, family, n, grid=None, block=_BLOCK, smem=0, **kw):
+        def launch(name, family, grid, block=_BLOCK, smem=0, **kw):
             vals = [0] * len(_FIELDS)
-            for k, v in {**base, "n": n, **kw}.items():
+            for k, v in {**base, **kw}.items():
                 vals[_SLOT[k]] = int(v)
-            if grid is None:
-                grid = (min(-(-n // _THREADS), 2**31 - 1),)
             return _Launch(self._function(name, family, dev), grid, block,
                            np.array(vals, np.int64), smem)
 
-        m_size = _DTYPES[mi.dtype][2]
         o_cxx, o_size = _DTYPES[oi.dtype][1], _DTYPES[oi.dtype][2]
-        HoWo = Ho * Wo
-        # out's vector width along its (i1, j1) plane (1: any strides).
-        v = vector_width(o_size, HoWo, (so[4], so[5]), (Ho, Wo), so[:4], oi.ptr)
-        # The direct source's in-plane offsets of gamma and mu are 32-bit.
-        fits = all(abs(sx) * (H - 1) + abs(sy) * (W - 1) < 2**31
-                   for sx, sy in ((sg[4], sg[5]), (sm[2], sm[3])))
-        acc_size = 8 if acc == "float64" else 4
-        # S through memory, then out streamed (cc_stream): out's rows must be contiguous.
-        stream = (contiguous((so[4], so[5]), (Ho, Wo))
-                  and _plan.stream_s(Cog, Ho, Wo))
-        # gamma and mu typed when they share the written array's dtype; else run-time typed.
-        stored = {mi.dtype} | ({gi.dtype} if gi else set())
-        src_t = 0 if _plan.direct_source(B, G, Cg, H, W, Ho, Wo, p.kh, p.kw) and fits else 1
-        pl = _plan.planes_for(p, so, sg, sm, acc_size, capacity) \
-            if src_t and _plan.by_planes(Cog) else None
-        if pl is not None:  # S from gamma through shared memory (cc_planes), in place of T
-            tg = o_cxx if stored == {oi.dtype} else "anyt"
-            return _Plan([launch(f"cc_planes<{o_cxx}, {tg}, {acc_cxx}, {pl.V}, {pl.VG}>",
-                                 ("fast", o_cxx, acc_cxx), 0, grid=pl.grid, smem=pl.smem,
-                                 runp=pl.runp, wq=pl.wq, nchunk=pl.nchunk, chunk=pl.chunk)],
-                         0, 0, acc)
-        launches = []
-        if src_t:
-            # Kernel 1 (T) is typed on gamma's storage (mu's without gamma); mu of another
-            # dtype than gamma's is read run-time typed, one q a thread.
-            g_dtype = gi.dtype if gi else mi.dtype
-            g_cxx, g_size = _DTYPES[g_dtype][1], _DTYPES[g_dtype][2]
-            mu_vec = (m_size, (sm[2], sm[3]), (sm[0], sm[1]), mi.ptr)
-            m_cxx = g_cxx if mi.dtype == g_dtype else "anyt"
-            if m_cxx == "anyt":
-                v1 = 1
-            elif gi is None:
-                v1 = vector_width(m_size, HW, (sm[2], sm[3]), (H, W), (sm[0], sm[1]), mi.ptr)
-            else:
-                v1 = vector_width(g_size, HW, (sg[4], sg[5]), (H, W), sg[:4], gi.ptr, (mu_vec,))
-            launches.append(launch(f"cc_gsum<{g_cxx}, {m_cxx}, {acc_cxx}, {v1}>",
-                                   ("fast", g_cxx, acc_cxx), B * G * HW * (HW // v1)))
-        t_items = B * G * HW * HW if src_t else 0
+        # gamma and mu typed when they share a dtype (VG of them a 16-byte load along a
+        # row y1 where the layout allows); else run-time typed, one a load.
+        dtypes = {mi.dtype} | ({gi.dtype} if gi else set())
+        if len(dtypes) == 1:
+            in_cxx, in_size = _DTYPES[mi.dtype][1], _DTYPES[mi.dtype][2]
+            mu_row = (in_size, (sm[3],), sm[:3], mi.ptr)
+            vg = (vector_width(in_size, W, (sg[5],), (W,), sg[:5], gi.ptr, (mu_row,)) if gi
+                  else vector_width(in_size, W, (sm[3],), (W,), sm[:3], mi.ptr))
+            vg = _plan.widen(vg, in_size, W) if vg * in_size == 16 else 1
+        else:
+            in_cxx, vg = "anyt", 1
+        # S through memory where many output channels share it and out's rows (i1, j1) are
+        # contiguous (cc_stream streams them); else c * S straight into out.
+        stream = (Cog * o_size >= _plan.STREAM_BYTES
+                  and contiguous((so[4], so[5]), (Ho, Wo)))
         if stream:
-            # cc_fused writes S[b, g] (a contiguous diagonal layout of G channels, c = 1),
-            # then cc_stream adds c[c0] * S into out, row by row.
-            vs = max(w for w in _widths(acc_size) if HoWo % w == 0)
-            t = _plan.tiling(B, G, 1, Ho, Wo, vs, capacity)
-            tg = acc_cxx if src_t or stored == {acc} else "anyt"
-            s_strides = (G * HoWo * HoWo, HoWo * HoWo, Wo * HoWo, HoWo, Wo, 1)
-            launches.append(launch(
-                f"cc_fused<{acc_cxx}, {tg}, {acc_cxx}, {vs}, {src_t}>",
-                ("fast", acc_cxx, acc_cxx), 0, grid=t.grid, block=t.block, nchunk=t.nchunk,
-                chunk=t.chunk, to_s=1, Cog=1, dt_out=_DTYPES[acc][0],
-                **{f"so{i}": x for i, x in enumerate(s_strides)}))
-            rows = 1 if contiguous(so[2:], (Ho, Wo, Ho, Wo)) else HoWo
-            seg = HoWo * HoWo // rows
-            v3 = v if rows > 1 else vector_width(o_size, seg, so[2:], (Ho, Wo, Ho, Wo), so[:2],
-                                                 oi.ptr)
-            grid, block = _plan.stream_grid(B * G * Cog, rows, seg // v3)
-            launches.append(launch(f"cc_stream<{o_cxx}, {acc_cxx}, {v3}>",
-                                   ("fast", o_cxx, acc_cxx), 0, grid=grid, block=block,
-                                   nseg=rows, seg_len=seg))
-            return _Plan(launches, B * G * HoWo * HoWo, t_items, acc)
-        tg = o_cxx if src_t or stored == {oi.dtype} else "anyt"
-        t = _plan.tiling(B, G, Cog, Ho, Wo, v, capacity)
-        launches.append(launch(f"cc_fused<{o_cxx}, {tg}, {acc_cxx}, {v}, {src_t}>",
-                               ("fast", o_cxx, acc_cxx), 0, grid=t.grid, block=t.block,
-                               nchunk=t.nchunk, chunk=t.chunk))
-        return _Plan(launches, 0, t_items, acc)
+            v = _plan.widen(max(w for w in _widths(acc_size) if Wo % w == 0), acc_size, Wo)
+        else:
+            v = _plan.widen(vector_width(o_size, Wo, (so[5],), (Wo,), so[:5], oi.ptr), o_size, Wo)
+        wk = _plan.walk(B, G, Ho, Wo, p.kh, p.kw, p.sh, p.sw, p.dh, p.dw, v, acc_size,
+                        0 if stream else Cog, sms)
+        sizes = dict(n=wk.n, runp=wk.R, seglen=wk.seglen, nseg=wk.nseg, tj0=wk.tj0,
+                     tj1=wk.tj1, ntj1=wk.ntj1, ntile=wk.ntile, nq=wk.nq, wq=wk.wq,
+                     nslot=wk.nslot, tp=wk.tp)
+        if not stream:  # gamma and mu typed only as out's dtype (the family's type)
+            if in_cxx != o_cxx:
+                in_cxx, vg = "anyt", 1
+            return _Plan([launch(f"cc_walk<{o_cxx}, {in_cxx}, {acc_cxx}, {v}, {vg}, 0>",
+                                 ("fast", o_cxx, acc_cxx), wk.grid, smem=wk.smem, **sizes)],
+                         0, acc)
+        family = ("fast", o_cxx if in_cxx == "anyt" else in_cxx, acc_cxx)
+        walk = launch(f"cc_walk<{acc_cxx}, {in_cxx}, {acc_cxx}, {v}, {vg}, 1>", family,
+                      wk.grid, smem=wk.smem, **sizes)
+        rows = 1 if contiguous(so[2:], (Ho, Wo, Ho, Wo)) else Ho * Wo
+        seg = (Ho * Wo) ** 2 // rows
+        v3 = vector_width(o_size, seg, so[2:] if rows == 1 else (so[4], so[5]),
+                          (Ho, Wo, Ho, Wo) if rows == 1 else (Ho, Wo),
+                          so[:2] if rows == 1 else so[:4], oi.ptr)
+        grid, block = _plan.stream_grid(B * p.Co, rows, seg // v3)
+        add = launch(f"cc_stream<{o_cxx}, {acc_cxx}, {v3}>", ("fast", o_cxx, acc_cxx), grid,
+                     block, nseg_rows=rows, seg_len=seg)
+        return _Plan([walk, add], B * G * (Ho * Wo) ** 2, acc)
 
     def _vjp_plan(self, a, dev):
         """Launches for one backward call signature (see cc_vjp_gamma in SOURCE)."""
@@ -1547,8 +1380,8 @@ class CupyBackend(Backend):
         number c, which they then take from c_value), and of out's values (``src``: out
         itself unless given)."""
         with self._scratch(kind, plan, dev, stream) as s_ptr:
-            args = _fill(plan, _CALL_SLOTS, (optr, gptr, mptr, cptr, s_ptr + plan.t_offset,
-                                             s_ptr, optr if src is None else src,
+            args = _fill(plan, _CALL_SLOTS, (optr, gptr, mptr, cptr, s_ptr,
+                                             optr if src is None else src,
                                              _c_bits(cptr, c_value)))
             with self._on_stream(kind, stream):
                 _launch_all(plan, args)
@@ -1567,7 +1400,6 @@ class CupyBackend(Backend):
         get_device, set_device = runtime.getDevice, runtime.setDevice
         stream_of, stream_object = torch_stream_getter(), self._stream_object
         nbytes = plan.scratch * (8 if plan.acc == "float64" else 4)
-        t_offset = plan.t_offset
 
         def run(out, gamma, mu, c, optr, gptr, mptr, cptr, c_value):
             prev = get_device()
@@ -1576,8 +1408,8 @@ class CupyBackend(Backend):
             try:
                 stream = stream_of(dev)
                 owner, s_ptr = torch_scratch(nbytes, dev, stream) if nbytes else (None, 0)
-                args = _fill(plan, _CALL_SLOTS, (optr, gptr, mptr, cptr, s_ptr + t_offset,
-                                                 s_ptr, optr, _c_bits(cptr, c_value)))
+                args = _fill(plan, _CALL_SLOTS, (optr, gptr, mptr, cptr, s_ptr, optr,
+                                                 _c_bits(cptr, c_value)))
                 with stream_object(stream):
                     _launch_all(plan, args)
                 del owner  # back to its stream-ordered pool, behind the launches

@@ -3,66 +3,56 @@
 Owns the Numba CPU implementation of SPEC section 1 and its run-time rules: how arrays
 reach the kernel, which code is compiled, and how calls run on Numba's threading layer.
 
-How it computes (docs/numba.md has the design notes and the measurements):
+How it computes (docs/numba.md has the design notes and the measurements): SPEC section 1
+as a walk along S's planes, as the GPU backends' ``cc_walk``. For one ``(b, g)`` and one
+input row ``x0``, over the rows ``x1 = X*sh + r`` of x0's residue r modulo sh (``x1 - x0 =
+(i1 - i0)*sh``: every diagonal of S's planes at once),
 
-* One S row ``S[b, g, i0, j0, :, :]`` at a time, in a thread-local buffer, is added, times
-  ``c[c0]``, into every output channel of the group; S never exists in memory. A term
-  with a position in the padding is skipped, never multiplied: an Inf next to the padding
-  stays an Inf. Two plans build the row, chosen per call signature (``_direct_plan``):
-* The M plan, for windows that overlap a lot (stride 1): one chunk of ``(b, g)`` pairs at
-  a time, in two parallel phases. Phase 1 builds, per pair, the group's input second
-  moment on the channel diagonal, ``M[x0, y0, x1, y1] = sum over ci in g of
-  gamma[b, ci, x0, y0, (ci,) x1, y1] + mu[b, ci, x0, y0] * mu[b, ci, x1, y1]``: each gamma
-  element is read once, in its contiguous ``(x1, y1)`` plane, four channels per pass, and
-  summed into a cache-sized buffer. Phase 2 is the kh x kw box filter: the row is the sum
-  of the ``M[x0, y0]`` windows of the kernel offsets whose two positions both lie inside
-  the input. With unit column stride M's planes hold the padding as zeros, so that every
-  window is one contiguous run, summed four windows a pass.
-* The direct plan, with no M: phase 2 alone, each row summed straight from the strided
-  windows of gamma's channel-diagonal planes and of mu (four channels per pass). Its only
-  temporaries are the per-thread rows. It reads ``kh*kw*Cg*(Ho*Wo)**2`` terms per pair
-  where the M plan reads ``Cg*(H*W)**2`` into an ``(H*W)**2`` buffer, which it writes
-  and reads ``kh*kw*(Ho*Wo)**2`` of back; a direct term costs about ``DIRECT_COST``
-  contiguous ones, so it is taken when ``DIRECT_COST*Cg*kh*kw*(Ho*Wo)**2 <
-  (Cg + 1)*(H*W)**2 + kh*kw*(Ho*Wo)**2`` (strides above 1, inputs much larger than the
-  output, or few channels a group). The M plan's buffer, where it is used, is so below
-  ``DIRECT_COST*kh*kw`` S blocks of one pair: it never grows with ``(H*W)**2`` past what
-  the call computes.
-* Parallel over ``(pair, x0)`` in phase 1 and ``(pair, i0)`` in phase 2: both cores are
-  busy even for B = 1, G = 1. The channel-diagonal planes of gamma and rows of out are
-  short and far apart, so the kernel prefetches a few kilobytes ahead in software.
-* Arrays reach the kernel as raw addresses plus strides in elements (the front end's
-  ``ArrayInfo``) and a dtype code, so the compiled code depends on no layout, stride,
-  shape or input dtype: full and diagonal layouts are just strides (the channel diagonal
-  of a full array has stride ``s_c + s_c'``), negative strides are plain pointer
-  arithmetic, and the dtype code picks an inner loop at run time. The one specialisation
-  is the accumulation dtype (float32 or float64): two compiles, cached on disk.
-* float16 is converted by the CPU (F16C / Arm fcvt; an exact integer version elsewhere),
-  bfloat16 by integer arithmetic (Numba has no 16-bit float arithmetic on the CPU). Sums
-  run in float32 (float64 when an input is float64) and are rounded once into ``out``,
-  to nearest even. From float64, the value is first rounded to float32 *to odd*, which
-  makes the two steps equal to one correct rounding.
+    Q[y0][X][y1]      = sum over ci in g of gamma[b, ci, x0, y0, (ci,) x1, y1]
+                                            + mu[b, ci, x0, y0] * mu[b, ci, x1, y1]
+    T(x0)[j0][X][j1]  = sum over ji of Q[j0*sw + ji*dw - pw][X][j1*sw + ji*dw - pw]
+    S[i0, j0, i1, j1] = sum over ii of T(x0 = i0*sh + ii*dh - ph)[j0][X = i1 + e(ii)]
 
-The backward (``patch_moment_vjp``, docs/autograd.md) is a second kernel of the same
-build, parallel over ``(pair, x0)``: one row ``D[x0, y0, :, :]`` at a time, in a
-thread-local buffer, is gathered from the grad_S windows (the forward's box filter
-transposed; padded terms absent) and stored into every channel of the group's gamma
-gradient (non-temporal stores when large). ``grad_mu`` reads ``grad_S + grad_S^T`` (a
-chunk of pairs, as large as grad_S's blocks): either by rows, the row of the symmetrised
-``D`` gathered the same way and dotted with mu's planes (a non-finite result is formed
-again window by window, as the reference's products), or, where the input is much larger
-than the output (``_vjp_windows``), window by window only. No temporary grows with
-``(H*W)**2``. Sums always in float64: one compile.
+A work item ``(b, g, segment of i0)`` walks its rows i0 of S's planes. The rows x0 that an
+i0 reads are formed once each: the channel sum into Q (gamma read once, in its own order,
+four channels a pass), then the row filter into a ring of ``(kh - 1)*dh + 1`` rows of T
+(for each j0 one run over X and j1: kw runs of Q). The block ``S[i0]`` is, for each j0,
+kh runs of the ring, and ``c[c0] * S[i0]`` goes into out's block ``[b, c0, i0]`` (one
+contiguous run in the diagonal layout) for every output channel of the group. Everything
+but gamma and out stays in L1/L2. A term with a position in the padding is absent, never
+``0 * x``: Q's rows y0 in the padding are zeros, T's edge columns (y1 in the padding) are
+formed again from the terms inside only, T's rows with x1 in the padding are zeros and
+rows x0 in the padding are skipped. Q keeps only the rows y0 that some window reads.
+Where runs are short and far apart, gamma's rows and out's runs are prefetched in
+software.
 
-Threads: the kernel releases the GIL. It relies on a thread-safe Numba threading layer
+Arrays reach the kernel as raw addresses plus strides in elements (the front end's
+``ArrayInfo``) and a dtype code, so the compiled code depends on no layout, stride, shape
+or input dtype: full and diagonal layouts are just strides, negative strides are pointer
+arithmetic. The one specialisation is the accumulation dtype: two compiles, cached on
+disk. float16 is converted by the CPU (F16C / Arm fcvt; an exact integer version
+elsewhere), bfloat16 by integer arithmetic (Numba has no 16-bit float arithmetic on the
+CPU). Sums run in float32 (float64 when an input is float64) and are rounded once into
+``out``, to nearest even; from float64 through float32 rounded *to odd*.
+
+The backward (``patch_moment_vjp``, docs/autograd.md) is a second kernel, parallel over
+``(pair, x0)``: one row ``D[x0, y0, :, :]`` at a time, in a thread-local buffer, is gathered
+from the grad_S windows (the forward's box filter transposed; padded terms absent) and
+stored into every channel of the group's gamma gradient (non-temporal stores when large).
+``grad_mu`` reads ``grad_S + grad_S^T`` (a chunk of pairs): either by rows, the row of the
+symmetrised ``D`` dotted with mu's planes (a non-finite result is formed again window by
+window, as the reference's products), or, where the input is much larger than the output
+(``_vjp_windows``), window by window only. Sums always in float64: one compile.
+
+Threads: the kernels release the GIL. They rely on a thread-safe Numba threading layer
 (``tbb`` or ``omp``, Numba's default order); if Numba ends up on ``workqueue``, which
 aborts on concurrent use, this module serialises its calls. GNU OpenMP kills a forked
 child that starts a parallel region after its parent used one, so such a child runs a
 serial compile of the same kernel.
 
 Must not: validate (the front end did), copy ``out`` or ``gamma``, allocate anything that
-grows with ``Ci * Ci`` or ``Co`` (or with ``(H*W)**2`` where the output is smaller), or
-change Numba's process-wide configuration.
+grows with ``Ci * Ci`` or ``Co`` (or with ``(H*W)**2``), or change Numba's process-wide
+configuration.
 """
 from __future__ import annotations
 
@@ -128,9 +118,9 @@ def _from_bits(typingctx, x):
 
 @intrinsic
 def _data(typingctx, arr):
-    """Typed pointer to an array's first element. The kernel's own buffers are indexed
-    through pointers too: a slice costs a reference count and bounds arithmetic, and an
-    index into an array costs a negative-index check that stops LLVM from vectorising."""
+    """Typed pointer to an array's first element. The kernels' own buffers are indexed
+    through pointers too: a slice costs a reference count, and an index into an array
+    costs a negative-index check that stops LLVM from vectorising."""
     if not isinstance(arr, types.Array):
         return None
 
@@ -167,43 +157,6 @@ def _store_nt(typingctx, ptr, k, value):
 
 
 @intrinsic
-def _address_at(typingctx, ptr, k):
-    """The byte address of ``ptr[k]``."""
-    if not isinstance(ptr, types.CPointer):
-        return None
-
-    def codegen(context, builder, sig, args):
-        return builder.ptrtoint(builder.gep(args[0], [args[1]]), ir.IntType(64))
-
-    return types.int64(ptr, k), codegen
-
-
-@intrinsic
-def _axpy8_nt(typingctx, w, p, k, s, j, a):
-    """``w[k:k+8] = p[k:k+8] + a * s[j:j+8]`` in float32 as one 32-byte non-temporal store
-    (``w + k`` 32-byte aligned): LLVM stores a scalar loop's non-temporal values one at a
-    time, this stores eight."""
-    f32 = types.float32
-    if not all(isinstance(x, types.CPointer) and x.dtype == f32 for x in (w, p, s)) or a != f32:
-        return None
-
-    def codegen(context, builder, sig, args):
-        w_, p_, k_, s_, j_, a_ = args
-        vt = ir.VectorType(ir.FloatType(), 8)
-        pv = builder.load(builder.bitcast(builder.gep(p_, [k_]), vt.as_pointer()), align=4)
-        sv = builder.load(builder.bitcast(builder.gep(s_, [j_]), vt.as_pointer()), align=4)
-        av = ir.Constant(vt, ir.Undefined)
-        for i in range(8):
-            av = builder.insert_element(av, a_, ir.IntType(32)(i))
-        st = builder.store(builder.fadd(pv, builder.fmul(av, sv)),
-                           builder.bitcast(builder.gep(w_, [k_]), vt.as_pointer()), align=32)
-        st.set_metadata("nontemporal", builder.module.add_metadata([ir.IntType(32)(1)]))
-        return context.get_dummy_value()
-
-    return types.none(w, p, k, s, j, a), codegen
-
-
-@intrinsic
 def _store_fence(typingctx):
     """A sequentially consistent fence (mfence on x86): makes the weakly ordered
     non-temporal stores visible before the parallel region's end."""
@@ -215,32 +168,31 @@ def _store_fence(typingctx):
     return types.none(), codegen
 
 
-def _prefetcher(rw, locality=3):
-    """An intrinsic prefetching the line at a byte address: ``rw`` 0 read, 1 write;
-    ``locality`` 3 (into every cache level: prefetcht0 / prefetchw) down to 0 (nta)."""
+def _prefetcher(write):
+    """An intrinsic ``prefetch(ptr, k)``: ask for the cache line of ``ptr[k]``, to be read
+    (prefetcht0) or written (prefetchw). For short runs far apart, which the hardware
+    prefetchers do not follow."""
 
     @intrinsic
-    def prefetch(typingctx, addr):
+    def prefetch(typingctx, ptr, k):
+        if not isinstance(ptr, types.CPointer):
+            return None
+
         def codegen(context, builder, sig, args):
-            i8p = ir.IntType(8).as_pointer()
-            i32 = ir.IntType(32)
+            i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
             fn = cgutils.get_or_insert_function(
                 builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
                 "llvm.prefetch.p0")
-            builder.call(fn, [builder.inttoptr(args[0], i8p), i32(rw), i32(locality),
-                              i32(1)])
+            at = builder.bitcast(builder.gep(args[0], [args[1]]), i8p)
+            builder.call(fn, [at, i32(write), i32(3), i32(1)])
             return context.get_dummy_value()
 
-        return types.none(addr), codegen
+        return types.none(ptr, k), codegen
 
     return prefetch
 
 
-# The channel-diagonal rows are short (one plane: H x W or Ho x Wo values) and far apart,
-# so hardware prefetchers barely ramp up on them; asking for the next rows early keeps
-# enough memory requests in flight. Arguments: byte addresses.
-_prefetch_read = _prefetcher(0)
-_prefetch_write = _prefetcher(1)
+_prefetch_read, _prefetch_write = _prefetcher(0), _prefetcher(1)
 
 
 # ---------------------------------------------------------------------------------------
@@ -413,258 +365,384 @@ def _load(addr, code, k):
     return np.float64(_bf16_decode(_u16_at(addr)[k]))
 
 
+@njit(**_inner)
+def _inside(offset, s, n, n_out):
+    """[lo, hi): the outputs i < n_out whose input position i*s + offset lies in [0, n)."""
+    lo = max(0, (s - 1 - offset) // s)
+    hi = min(n_out, (n - 1 - offset) // s + 1)
+    return lo, max(lo, hi)
+
+
 # ---------------------------------------------------------------------------------------
-# Inner loops. Each is written once and compiled per element decoder (and encoder), and
-# dispatched on the dtype code by an ``*_any`` function; the contiguous case gets its own
-# loop so that LLVM vectorises it.
+# The forward. Inner loops are written once and compiled per element decoder (and
+# encoder), dispatched on the dtype code by an ``*_any`` function; unit strides get their
+# own loop so that LLVM vectorises it.
 
 
-def _plane_adder(dec):
-    """A compiled ``add_plane`` with the element decoder ``dec`` built in (a decoder passed
-    as an argument would make the kernel uncacheable)."""
+def _row_loader(dec):
+    """A compiled ``load_rows`` with the element decoder ``dec`` built in."""
 
-    def add_plane(dst, ptr, off, sx, sy, H, W, scale):
-        """``dst[x*W + y] += scale * dec(ptr[off + x*sx + y*sy])`` over an H x W plane."""
-        if sy == 1 and sx == W:
-            src = off
-            for e in range(H * W):
-                dst[e] += scale * dec(ptr[src + e])
-        else:
-            for x in range(H):
-                d = _offset(dst, x * W)
-                src = off + x * sx
-                if sy == 1:
-                    for y in range(W):
-                        d[y] += scale * dec(ptr[src + y])
+    def load_rows(dst, p, off, n, rs, W, ys):
+        """``dst[r*W + e] = dec(p[off + r*rs + e*ys])`` in dst's dtype, r < n, e < W."""
+        for r in range(n):
+            d, o = _offset(dst, r * W), off + r * rs
+            for e in range(W):
+                d[e] = _like(dec(p[o + e * ys]), d)
+
+    return njit(**_inner)(load_rows)
+
+
+_load_rows_keep = _row_loader(_keep)
+_load_rows_f16 = _row_loader(_f16_decode)
+_load_rows_bf16 = _row_loader(_bf16_decode)
+
+
+@njit(**_inner)
+def _load_rows_any(code, addr, dst, off, n, rs, W, ys):
+    if code == F32:
+        _load_rows_keep(dst, _f32_at(addr), off, n, rs, W, ys)
+    elif code == F64:
+        _load_rows_keep(dst, _f64_at(addr), off, n, rs, W, ys)
+    elif code == F16:
+        _load_rows_f16(dst, _u16_at(addr), off, n, rs, W, ys)
+    else:
+        _load_rows_bf16(dst, _u16_at(addr), off, n, rs, W, ys)
+
+
+def _q_adder(dec):
+    """A compiled ``add_q`` with gamma's element decoder built in (a decoder passed as an
+    argument would make the kernel uncacheable)."""
+
+    def add_q(q, qy, ym, Wy, first, gp, ga, gy0, gc, gs, gy, mr, mx, mc, ms, n, qs, W, four,
+              with_gamma, pf, line):
+        """Q's rows ``ym[y0] > 0``, y0 < Wy, each n rows of W: ``q[ym[y0]*qy + r*qs + e]
+        (first: =, else +=)`` the sum over one channel, or ``four``, k of
+        ``dec(gp[ga + k*gc + y0*gy0 + r*gs + e*gy]) + mx[k*mc + y0] * mr[k*mc + r*ms + e]``
+        in q's dtype; without gamma the mu terms alone. ``pf``: prefetch gamma's rows that
+        many rows y0 ahead (``line``: elements a cache line)."""
+        if qs == W and gs == W * gy and ms == W:  # the rows are one run
+            W, n = W * n, 1
+        for y0 in range(Wy):
+            if ym[y0] <= 0:
+                continue
+            if pf and gy == 1 and y0 + pf < Wy and with_gamma:  # rows pf rows y0 ahead
+                for k in range(4 if four else 1):
+                    for r in range(n):
+                        for e in range(0, W, line):
+                            _prefetch_read(gp, ga + k * gc + (y0 + pf) * gy0 + r * gs + e)
+            m0 = mx[y0]
+            m1, m2, m3 = (mx[mc + y0], mx[2 * mc + y0], mx[3 * mc + y0]) if four else (m0, m0, m0)
+            for r in range(n):
+                d, g = _offset(q, ym[y0] * qy + r * qs), ga + y0 * gy0 + r * gs
+                a0, a1 = _offset(mr, r * ms), _offset(mr, r * ms + mc)
+                a2, a3 = _offset(mr, r * ms + 2 * mc), _offset(mr, r * ms + 3 * mc)
+                if four and with_gamma:
+                    for e in range(W):
+                        k = g + e * gy
+                        v = (((_like(dec(gp[k]), d) + _like(dec(gp[k + gc]), d))
+                              + (_like(dec(gp[k + 2 * gc]), d) + _like(dec(gp[k + 3 * gc]), d)))
+                             + ((m0 * a0[e] + m1 * a1[e]) + (m2 * a2[e] + m3 * a3[e])))
+                        d[e] = v if first else d[e] + v
+                elif four:
+                    for e in range(W):
+                        v = (m0 * a0[e] + m1 * a1[e]) + (m2 * a2[e] + m3 * a3[e])
+                        d[e] = v if first else d[e] + v
+                elif with_gamma:
+                    for e in range(W):
+                        v = _like(dec(gp[g + e * gy]), d) + m0 * a0[e]
+                        d[e] = v if first else d[e] + v
                 else:
-                    for y in range(W):
-                        d[y] += scale * dec(ptr[src + y * sy])
+                    for e in range(W):
+                        v = m0 * a0[e]
+                        d[e] = v if first else d[e] + v
 
-    return njit(**_inner)(add_plane)
-
-
-_add_plane_keep = _plane_adder(_keep)
-_add_plane_f16 = _plane_adder(_f16_decode)
-_add_plane_bf16 = _plane_adder(_bf16_decode)
+    return njit(**_inner)(add_q)
 
 
-def _pair_adder(dec):
-    """A compiled ``add_pair``: one gamma plane plus ``mu0`` times one mu plane, both of
-    one dtype, in a single pass over ``dst``."""
-
-    def add_pair(dst, gp, goff, gsx, gsy, mp, moff, msx, msy, H, W, mu0):
-        if gsy == 1 and gsx == W and msy == 1 and msx == W:
-            for e in range(H * W):
-                dst[e] += dec(gp[goff + e]) + mu0 * dec(mp[moff + e])
-        else:
-            for x in range(H):
-                d = _offset(dst, x * W)
-                ga, ma = goff + x * gsx, moff + x * msx
-                for y in range(W):
-                    d[y] += dec(gp[ga + y * gsy]) + mu0 * dec(mp[ma + y * msy])
-
-    return njit(**_inner)(add_pair)
-
-
-_add_pair_keep = _pair_adder(_keep)
-_add_pair_f16 = _pair_adder(_f16_decode)
-_add_pair_bf16 = _pair_adder(_bf16_decode)
+_add_q_keep = _q_adder(_keep)
+_add_q_f16 = _q_adder(_f16_decode)
+_add_q_bf16 = _q_adder(_bf16_decode)
 
 
 @njit(**_inner)
-def _add_pair_any(dst, addr, code, goff, gsx, gsy, maddr, moff, msx, msy, H, W, mu0):
+def _add_q_any(code, addr, q, qy, ym, Wy, first, ga, gy0, gc, gs, gy, mr, mx, mc, ms, n, qs,
+               W, four, pf):
     if code == F32:
-        _add_pair_keep(dst, _f32_at(addr), goff, gsx, gsy, _f32_at(maddr), moff, msx, msy,
-                       H, W, mu0)
+        _add_q_keep(q, qy, ym, Wy, first, _f32_at(addr), ga, gy0, gc, gs, gy, mr, mx, mc, ms,
+                    n, qs, W, four, True, pf, 16)
     elif code == F64:
-        _add_pair_keep(dst, _f64_at(addr), goff, gsx, gsy, _f64_at(maddr), moff, msx, msy,
-                       H, W, mu0)
+        _add_q_keep(q, qy, ym, Wy, first, _f64_at(addr), ga, gy0, gc, gs, gy, mr, mx, mc, ms,
+                    n, qs, W, four, True, pf, 8)
     elif code == F16:
-        _add_pair_f16(dst, _u16_at(addr), goff, gsx, gsy, _u16_at(maddr), moff, msx, msy,
-                      H, W, mu0)
-    else:
-        _add_pair_bf16(dst, _u16_at(addr), goff, gsx, gsy, _u16_at(maddr), moff, msx, msy,
-                       H, W, mu0)
+        _add_q_f16(q, qy, ym, Wy, first, _u16_at(addr), ga, gy0, gc, gs, gy, mr, mx, mc, ms,
+                   n, qs, W, four, True, pf, 32)
+    elif code == BF16:
+        _add_q_bf16(q, qy, ym, Wy, first, _u16_at(addr), ga, gy0, gc, gs, gy, mr, mx, mc, ms,
+                    n, qs, W, four, True, pf, 32)
+    else:  # no gamma
+        _add_q_keep(q, qy, ym, Wy, first, mr, 0, 0, 0, 0, 0, mr, mx, mc, ms, n, qs, W, four,
+                    False, 0, 16)
 
 
-def _quad_adder(dec):
-    """A compiled ``add_quad``: four channels at once, for contiguous planes of one dtype:
-    ``dst += sum over q of (gamma_q + a_q * mu_q)``. One pass over ``dst`` per four
-    channels instead of one per channel (phase 1 is partly compute-bound in cache).
-
-    ``p0``-``p3``: byte addresses of four gamma planes to prefetch while summing (0: none),
-    one line of each per 16 elements summed (two for 8-byte items), so the requests for
-    the planes ahead are spread over the arithmetic instead of issued in one burst
-    before it: on an Intel Xeon host that took the ``cpu`` workload's kernel from 7519 to
-    6410 µs (on an AMD EPYC host it measured 4% slower in phase 1)."""
-
-    def run(dst, gp, g0, g1, g2, g3, mp, m0, m1, m2, m3, a0, a1, a2, a3, n, with_gamma):
-        if with_gamma:
-            # Each gamma value in dst's dtype before the sum: float32 planes summed in
-            # float32 would round where the accumulation dtype is float64.
+@njit(**_inner)
+def _sum_runs(dst, nr, dp, n, src, sp, at, k, step):
+    """``dst[r*dp + e] = sum over w < k of src[r*sp + at[w] + e*step]`` for rows r < nr,
+    e < n, four runs a pass (dst loaded and stored once per four): the row filter of T
+    and the column sum of S."""
+    f = k % 4 if k % 4 else min(k, 4)  # the first pass: the remainder, or four
+    if dp == n and sp == n * step:  # the rows are one run
+        n, nr = n * nr, 1
+    for r in range(nr):
+        d = _offset(dst, r * dp)
+        s0, s1 = _offset(src, r * sp + at[0]), _offset(src, r * sp + at[1])
+        s2, s3 = _offset(src, r * sp + at[2]), _offset(src, r * sp + at[3])
+        if f == 0:
             for e in range(n):
-                dst[e] += (((_like(dec(gp[g0 + e]), dst) + _like(dec(gp[g1 + e]), dst))
-                            + (_like(dec(gp[g2 + e]), dst) + _like(dec(gp[g3 + e]), dst)))
-                           + ((a0 * dec(mp[m0 + e]) + a1 * dec(mp[m1 + e]))
-                              + (a2 * dec(mp[m2 + e]) + a3 * dec(mp[m3 + e]))))
+                d[e] = 0
+        elif f == 1:
+            for e in range(n):
+                d[e] = s0[e * step]
+        elif f == 2:
+            for e in range(n):
+                d[e] = s0[e * step] + s1[e * step]
+        elif f == 3:
+            for e in range(n):
+                d[e] = s0[e * step] + s1[e * step] + s2[e * step]
         else:
             for e in range(n):
-                dst[e] += ((a0 * dec(mp[m0 + e]) + a1 * dec(mp[m1 + e]))
-                           + (a2 * dec(mp[m2 + e]) + a3 * dec(mp[m3 + e])))
-
-    run = njit(**_inner)(run)
-
-    def add_quad(dst, gp, g0, g1, g2, g3, mp, m0, m1, m2, m3, a0, a1, a2, a3, n, with_gamma,
-                 p0, p1, p2, p3, isz):
-        full = n // 16 * 16 if with_gamma and (p0 != 0 or p1 != 0 or p2 != 0 or p3 != 0) else 0
-        for blk in range(0, full, 16):
-            off = blk * isz
-            for p in (p0, p1, p2, p3):
-                if p != 0:
-                    _prefetch_read(p + off)
-                    if isz == 8:
-                        _prefetch_read(p + off + 64)
-            # run()'s sum over a literal 16 elements (a count known only at run time, as
-            # in a call to run, kept the loop from vectorising: 9.2 ms against 7.5).
-            d = _offset(dst, blk)
-            G0, G1 = _offset(gp, g0 + blk), _offset(gp, g1 + blk)
-            G2, G3 = _offset(gp, g2 + blk), _offset(gp, g3 + blk)
-            M0, M1 = _offset(mp, m0 + blk), _offset(mp, m1 + blk)
-            M2, M3 = _offset(mp, m2 + blk), _offset(mp, m3 + blk)
-            for e in range(16):
-                d[e] += (((_like(dec(G0[e]), dst) + _like(dec(G1[e]), dst))
-                          + (_like(dec(G2[e]), dst) + _like(dec(G3[e]), dst)))
-                         + ((a0 * dec(M0[e]) + a1 * dec(M1[e]))
-                            + (a2 * dec(M2[e]) + a3 * dec(M3[e]))))
-        run(_offset(dst, full), gp, g0 + full, g1 + full, g2 + full, g3 + full, mp, m0 + full,
-            m1 + full, m2 + full, m3 + full, a0, a1, a2, a3, n - full, with_gamma)
-
-    return njit(**_inner)(add_quad)
+                d[e] = (s0[e * step] + s1[e * step]) + (s2[e * step] + s3[e * step])
+        for w in range(f, k, 4):
+            s0, s1 = _offset(src, r * sp + at[w]), _offset(src, r * sp + at[w + 1])
+            s2, s3 = _offset(src, r * sp + at[w + 2]), _offset(src, r * sp + at[w + 3])
+            for e in range(n):
+                d[e] += (s0[e * step] + s1[e * step]) + (s2[e * step] + s3[e * step])
 
 
-_add_quad_keep = _quad_adder(_keep)
-_add_quad_f16 = _quad_adder(_f16_decode)
-_add_quad_bf16 = _quad_adder(_bf16_decode)
+def _out_adder(dec, enc):
+    """A compiled ``add_out`` with the decoder and encoder of out's dtype built in."""
 
-
-@njit(**_inner)
-def _add_quad_any(dst, code, g_addr, g0, g1, g2, g3, m_addr, m0, m1, m2, m3,
-                  a0, a1, a2, a3, n, with_gamma, p0, p1, p2, p3):
-    isz = _itemsize(code)
-    if code == F32:
-        _add_quad_keep(dst, _f32_at(g_addr), g0, g1, g2, g3, _f32_at(m_addr), m0, m1, m2, m3,
-                       a0, a1, a2, a3, n, with_gamma, p0, p1, p2, p3, isz)
-    elif code == F64:
-        _add_quad_keep(dst, _f64_at(g_addr), g0, g1, g2, g3, _f64_at(m_addr), m0, m1, m2, m3,
-                       a0, a1, a2, a3, n, with_gamma, p0, p1, p2, p3, isz)
-    elif code == F16:
-        _add_quad_f16(dst, _u16_at(g_addr), g0, g1, g2, g3, _u16_at(m_addr), m0, m1, m2, m3,
-                      a0, a1, a2, a3, n, with_gamma, p0, p1, p2, p3, isz)
-    else:
-        _add_quad_bf16(dst, _u16_at(g_addr), g0, g1, g2, g3, _u16_at(m_addr), m0, m1, m2, m3,
-                       a0, a1, a2, a3, n, with_gamma, p0, p1, p2, p3, isz)
-
-
-@njit(**_inner)
-def _plane_ahead(addr, isz, at, g, Cg, g_c, g_y0, W, ahead):
-    """The byte address of the gamma plane ``ahead`` planes into a phase-1 task's
-    (y0, ci) order (``at``: the task's offset without channel and y0), or 0 past its end."""
-    if ahead >= W * Cg:
-        return 0
-    return addr + (at + (g * Cg + ahead % Cg) * g_c + (ahead // Cg) * g_y0) * isz
-
-
-@njit(**_inner)
-def _add_plane_any(dst, addr, code, off, sx, sy, H, W, scale):
-    if code == F32:
-        _add_plane_keep(dst, _f32_at(addr), off, sx, sy, H, W, scale)
-    elif code == F64:
-        _add_plane_keep(dst, _f64_at(addr), off, sx, sy, H, W, scale)
-    elif code == F16:
-        _add_plane_f16(dst, _u16_at(addr), off, sx, sy, H, W, scale)
-    else:
-        _add_plane_bf16(dst, _u16_at(addr), off, sx, sy, H, W, scale)
-
-
-def _nt_row_f32(w, p, off, n, srow, cc):  # pragma: no cover - replaced by the overload
-    raise NotImplementedError
-
-
-@overload(_nt_row_f32)
-def _nt_row_f32_impl(w, p, off, n, srow, cc):
-    """``w[off + e] = float32(p[off + e] + cc * srow[e])``, e < n, non-temporal: eight at a
-    time where the sums are float32 (the same operations, so the same bits, as in place)."""
-    if srow.dtype == types.float32:
-        def impl(w, p, off, n, srow, cc):
-            e = 0
-            while e < n and _address_at(w, off + e) & 31 != 0:
-                _store_nt(w, off + e, np.float32(p[off + e] + cc * srow[e]))
-                e += 1
-            while e + 8 <= n:
-                _axpy8_nt(w, p, off + e, srow, e, cc)
-                e += 8
-            while e < n:
-                _store_nt(w, off + e, np.float32(p[off + e] + cc * srow[e]))
-                e += 1
-        return impl
-
-    def impl(w, p, off, n, srow, cc):
-        for e in range(n):
-            _store_nt(w, off + e, np.float32(p[off + e] + cc * srow[e]))
-    return impl
-
-
-def _row_adder(dec, enc, f32=False):
-    """A compiled ``add_row`` with decoder and encoder of out's dtype built in (``f32``:
-    out is float32, whose rows apart are stored eight values at a time)."""
-
-    def add_row(ptr, off, si, sj, Ho, Wo, srow, cc, wptr, apart):
-        """``ptr[off + i1*si + j1*sj] += cc * srow[i1*Wo + j1]``, rounded once into ptr's
-        dtype; ``apart``: the sum goes to ``wptr`` instead (a contiguous plane only), ptr
-        is only read."""
-        if sj == 1 and si == Wo:  # a contiguous Ho x Wo plane: one run
-            if apart and f32:
-                _nt_row_f32(wptr, ptr, off, Ho * Wo, srow, cc)
-                return
+    def add_out(p, w, off, n0, s0, n1, s1, n2, s2, src, cc, apart, pf, nxt, line):
+        """``w[k] = enc(dec(p[k]) + cc * src[(a*n1 + b)*n2 + e])``, ``k = off + a*s0 + b*s1 +
+        e*s2`` over a < n0, b < n1, e < n2: out's block [b, c0, i0], its dims (j0, i1, j1)
+        merged where contiguous (S's block is contiguous), rounded once; in place unless
+        ``apart``. ``pf``: prefetch (for writing) the run that many runs ahead, on into
+        the next block at ``off + nxt`` (``line``: elements a cache line)."""
+        R = n0 * n1
+        for row in range(R):
+            if pf and (row + pf < R or nxt):
+                ah = row + pf
+                k = off + (0 if ah < R else nxt) + ah % R // n1 * s0 + ah % n1 * s1
+                for e in range(0, n2 * s2, line):
+                    _prefetch_write(w, k + e)
+            o, s = off + row // n1 * s0 + row % n1 * s1, _offset(src, row * n2)
             if apart:
-                for e in range(Ho * Wo):
-                    _store_nt(wptr, off + e, enc(dec(ptr[off + e]) + cc * srow[e]))
-                return
-            for e in range(Ho * Wo):
-                ptr[off + e] = enc(dec(ptr[off + e]) + cc * srow[e])
-            return
-        for i1 in range(Ho):
-            s = _offset(srow, i1 * Wo)
-            base = off + i1 * si
-            if sj == 1:
-                for j1 in range(Wo):
-                    ptr[base + j1] = enc(dec(ptr[base + j1]) + cc * s[j1])
+                for e in range(n2):
+                    w[o + e * s2] = enc(dec(p[o + e * s2]) + cc * s[e])
             else:
-                for j1 in range(Wo):
-                    k = base + j1 * sj
-                    ptr[k] = enc(dec(ptr[k]) + cc * s[j1])
+                for e in range(n2):
+                    p[o + e * s2] = enc(dec(p[o + e * s2]) + cc * s[e])
 
-    return njit(**_inner)(add_row)
+    return njit(**_inner)(add_out)
 
 
-_add_row_f32 = _row_adder(_keep, _f32_encode, f32=True)
-_add_row_f64 = _row_adder(_keep, _f64_encode)
-_add_row_f16 = _row_adder(_f16_decode, _f16_encode)
-_add_row_bf16 = _row_adder(_bf16_decode, _bf16_encode)
+_add_out_f32 = _out_adder(_keep, _f32_encode)
+_add_out_f64 = _out_adder(_keep, _f64_encode)
+_add_out_f16 = _out_adder(_f16_decode, _f16_encode)
+_add_out_bf16 = _out_adder(_bf16_decode, _bf16_encode)
 
 
 @njit(**_inner)
-def _add_row_any(addr, code, off, si, sj, Ho, Wo, srow, cc, waddr):
-    apart = waddr != addr
+def _add_out_any(code, addr, waddr, off, n0, s0, n1, s1, n2, s2, src, cc, pf, nxt):
+    a = waddr != addr
     if code == F32:
-        _add_row_f32(_f32_at(addr), off, si, sj, Ho, Wo, srow, cc, _f32_at(waddr), apart)
+        _add_out_f32(_f32_at(addr), _f32_at(waddr), off, n0, s0, n1, s1, n2, s2, src, cc, a,
+                     pf, nxt, 16)
     elif code == F64:
-        _add_row_f64(_f64_at(addr), off, si, sj, Ho, Wo, srow, cc, _f64_at(waddr), apart)
+        _add_out_f64(_f64_at(addr), _f64_at(waddr), off, n0, s0, n1, s1, n2, s2, src, cc, a,
+                     pf, nxt, 8)
     elif code == F16:
-        _add_row_f16(_u16_at(addr), off, si, sj, Ho, Wo, srow, cc, _u16_at(waddr), apart)
+        _add_out_f16(_u16_at(addr), _u16_at(waddr), off, n0, s0, n1, s1, n2, s2, src, cc, a,
+                     pf, nxt, 32)
     else:
-        _add_row_bf16(_u16_at(addr), off, si, sj, Ho, Wo, srow, cc, _u16_at(waddr), apart)
+        _add_out_bf16(_u16_at(addr), _u16_at(waddr), off, n0, s0, n1, s1, n2, s2, src, cc, a,
+                      pf, nxt, 32)
 
+
+# The kernel's integer arguments, in the order of its ``prm`` vector (one int64 array:
+# Numba types one array argument faster than forty integers). Addresses are in bytes,
+# strides in elements; gamma's strides are those of its channel diagonal; out's block
+# [b, c0, i0] is (n0, s0) x (n1, s1) x (n2, s2), its dims (j0, i1, j1) merged where
+# contiguous; pf: out's runs prefetched ahead (0: none).
+_PRM = ("B G Cg Cog H W Ho Wo kh kw sh sw ph pw dh dw nseg seglen "
+        "o_addr o_code o_b o_c o_i0 n0 s0 n1 s1 n2 s2 pf w_addr "
+        "g_addr g_code g_b g_c g_x0 g_y0 g_x1 g_y1 "
+        "m_addr m_code m_b m_c m_x m_y c_addr c_code c_s pf_g").split()
+
+
+def _kernel(prm, c_value, proto):
+    """Add ``c[c0] * S[b, g(c0)]`` into out (``proto``: an array of the accumulation dtype)."""
+    B, G, Cg, Cog, H, W, Ho, Wo = prm[0], prm[1], prm[2], prm[3], prm[4], prm[5], prm[6], prm[7]
+    kh, kw, sh, sw, ph, pw, dh, dw = (prm[8], prm[9], prm[10], prm[11], prm[12], prm[13],
+                                      prm[14], prm[15])
+    nseg, seglen = prm[16], prm[17]
+    o_addr, o_code, o_b, o_c, o_i0 = prm[18], prm[19], prm[20], prm[21], prm[22]
+    n0, s0, n1, s1, n2, s2, pf, w_addr = (prm[23], prm[24], prm[25], prm[26], prm[27], prm[28],
+                                          prm[29], prm[30])
+    g_addr, g_code, g_b, g_c, g_x0, g_y0, g_x1, g_y1 = (prm[31], prm[32], prm[33], prm[34],
+                                                          prm[35], prm[36], prm[37], prm[38])
+    m_addr, m_code, m_b, m_c, m_x, m_y = prm[39], prm[40], prm[41], prm[42], prm[43], prm[44]
+    c_addr, c_code, c_s, pf_g = prm[45], prm[46], prm[47], prm[48]
+    # Q[y][X][y1] (y: a row y0 that windows read, or 0, a zero row for the padding; x1 =
+    # X*sh + r, the rows of x0's residue r modulo sh) has rows of pitch Wq = sw*PT, and
+    # T[j0][X][j1] rows of pitch PT: then for each j0 the row filter over all X is kw runs
+    # of Q with step sw; the terms with y1 in the padding are formed again apart (the
+    # edge columns j1 < jl and j1 >= jh).
+    X1n = (H + sh - 1) // sh
+    PT = max((W + sw - 1) // sw, Wo)
+    Wq, QY = sw * PT, X1n * sw * PT  # Q's pitch; one row y of Q
+    MQ = pw + (kw - 1) * dw  # Q's margins, read only for edge columns
+    nslot = (kh - 1) * dh + 1  # the ring: the rows x0 that one i0 reads span this many
+    # T's rows X in [Xmin, Xmin + XR) are kept (zeros where x1 lies in the padding), so
+    # that the run X = i1 + e of every offset ii spans all i1 < Ho.
+    Xmin = (-ph - sh + 1) // sh
+    XR = ((kh - 1) * dh - ph) // sh + Ho - Xmin
+    TS = Wo * XR * PT  # one ring slot
+    for item in prange(B * G * nseg):
+        b, g, seg = item // (G * nseg), item // nseg % G, item % nseg
+        i0a = seg * seglen
+        i0b = min(Ho, i0a + seglen)
+        # Thread-local: Q's row of each y0 + pw (0: the zero row; -1: none); which x0 each
+        # ring slot holds; the runs a sum reads; each ji's columns j1 inside the input.
+        na = max(kh, kw) + 4
+        i_buf = np.zeros(W + 2 * pw + nslot + na + 2 * kw, np.int64)
+        ym = _data(i_buf)
+        held, at = _offset(ym, W + 2 * pw), _offset(ym, W + 2 * pw + nslot)
+        jlo, jhi = _offset(at, na), _offset(at, na + kw)
+        jl, jh = 0, Wo  # the columns j1 whose every term lies inside
+        for y in range(W):
+            ym[pw + y] = -1
+        ny = 1
+        for ji in range(kw):
+            jlo[ji], jhi[ji] = _inside(ji * dw - pw, sw, W, Wo)
+            jl, jh = max(jl, jlo[ji]), min(jh, jhi[ji])
+            for j0 in range(Wo):
+                y = j0 * sw + ji * dw
+                if pw <= y < W + pw and ym[y] < 0:
+                    ym[y] = ny
+                    ny += 1
+        jh = max(jl, jh)
+        for k in range(nslot):
+            held[k] = -1
+        # mu's rows x1 then x0 in the accumulation dtype, a channel a block; Q (zeroed
+        # once: its row 0 and margins stay 0); the ring of T; the block S[i0].
+        mu_buf = np.empty(Cg * (X1n + 1) * W, proto.dtype)
+        q_buf = np.zeros(ny * QY + 2 * MQ, proto.dtype)
+        t_buf = np.zeros(nslot * TS, proto.dtype)
+        s_buf = np.empty(Wo * Ho * Wo, proto.dtype)
+        mu, q, t, s = _data(mu_buf), _offset(_data(q_buf), MQ), _data(t_buf), _data(s_buf)
+        for i0 in range(i0a, i0b):
+            for ii in range(kh):
+                x0 = i0 * sh + ii * dh - ph
+                if x0 < 0 or x0 >= H or held[x0 % nslot] == x0:
+                    continue
+                slot, r = x0 % nslot, x0 % sh
+                held[slot] = x0
+                ts = _offset(t, slot * TS - Xmin * PT)  # T[j0][X] at ts + (j0*XR + X)*PT
+                # The rows X that the segment's rows i0 read with this x0 (the union over
+                # the offsets ii2 that reach it); T's rows with x1 in the padding are 0.
+                Xlo, Xhi = X1n, 0
+                for ii2 in range(kh):
+                    u = x0 + ph - ii2 * dh
+                    if u % sh == 0 and i0a <= u // sh < i0b:
+                        lo, hi = _inside(ii2 * dh - ph, sh, H, Ho)
+                        if lo < hi:
+                            e = (ii2 * dh - ph - r) // sh
+                            Xlo, Xhi = min(Xlo, lo + e), max(Xhi, hi + e)
+                Xin = (H - r + sh - 1) // sh  # x1 = X*sh + r < H for X < Xin
+                for j0 in range(Wo):
+                    for e in range((j0 * XR + Xmin) * PT, j0 * XR * PT):
+                        ts[e] = 0
+                    for e in range((j0 * XR + Xin) * PT, (j0 * XR + Xmin + XR) * PT):
+                        ts[e] = 0
+                if Xlo >= Xhi:
+                    continue
+                # mu's rows; Q's rows y0 that windows read, X in [Xlo, Xhi): the channel
+                # sum, four channels a pass, gamma in its own order (channel, y0, x1, y1)
+                for ci in range(Cg):
+                    a = b * m_b + (g * Cg + ci) * m_c
+                    mr = _offset(mu, ci * (X1n + 1) * W)
+                    _load_rows_any(m_code, m_addr, _offset(mr, Xlo * W), a + (Xlo * sh + r) * m_x,
+                                   Xhi - Xlo, sh * m_x, W, m_y)
+                    _load_rows_any(m_code, m_addr, _offset(mr, X1n * W), a + x0 * m_x, 1, 0, W,
+                                   m_y)
+                ci = 0
+                while ci < Cg:
+                    four = ci + 4 <= Cg
+                    mr = _offset(mu, ci * (X1n + 1) * W)
+                    _add_q_any(g_code, g_addr, _offset(q, Xlo * Wq), QY, _offset(ym, pw), W,
+                               ci == 0, b * g_b + (g * Cg + ci) * g_c + x0 * g_x0
+                               + (Xlo * sh + r) * g_x1, g_y0, g_c, sh * g_x1, g_y1,
+                               _offset(mr, Xlo * W), _offset(mr, X1n * W), (X1n + 1) * W, W,
+                               Xhi - Xlo, Wq, W, four, pf_g)
+                    ci += 4 if four else 1
+                # T, the row filter along y, into the ring: for each j0 one run over X and
+                # j1, kw runs of Q; then the edge columns, whose terms in the padding are
+                # absent (not the neighbouring row's values)
+                for j0 in range(Wo):
+                    tr = _offset(ts, (j0 * XR + Xlo) * PT)
+                    for ji in range(kw):
+                        at[ji] = ym[j0 * sw + ji * dw] * QY + Xlo * Wq + ji * dw - pw
+                    _sum_runs(tr, 1, 0, (Xhi - Xlo) * PT, q, 0, at, kw, sw)
+                    for X in range(Xhi - Xlo):
+                        for k in range(jl + Wo - jh):
+                            j1 = k if k < jl else k - jl + jh
+                            v = _like(0, proto)
+                            for ji in range(kw):
+                                if jlo[ji] <= j1 < jhi[ji]:
+                                    v += q[at[ji] + X * Wq + j1 * sw]
+                            tr[X * PT + j1] = v
+            # S[i0, j0, i1, :] = sum over ii of T(x0)[j0][i1 + e]: for each j0, kh runs of
+            # the ring over all i1 (zeros where x1 lies in the padding)
+            nv = 0
+            for ii in range(kh):
+                x0 = i0 * sh + ii * dh - ph
+                if 0 <= x0 < H:  # else the whole term lies in the padding: skipped
+                    at[nv] = (x0 % nslot) * TS + ((ii * dh - ph - x0 % sh) // sh - Xmin) * PT
+                    nv += 1
+            for j0 in range(Wo):
+                _sum_runs(_offset(s, j0 * Ho * Wo), Ho, Wo, Wo, _offset(t, j0 * XR * PT), PT,
+                          at, nv, 1)
+            # c[c0] * S[i0] into out[b, c0, i0] for each c0 of the group; out's runs
+            # prefetched on into the next block, (b, c0 + 1, i0) or (b, g*Cog, i0 + 1)
+            for c0 in range(g * Cog, (g + 1) * Cog):
+                cc = _like(c_value if c_code == ABSENT else _load(c_addr, c_code, c0 * c_s),
+                           proto)
+                nxt = (o_c if c0 + 1 < (g + 1) * Cog else
+                       (o_i0 - (Cog - 1) * o_c if i0 + 1 < i0b else 0))
+                _add_out_any(o_code, o_addr, w_addr, b * o_b + c0 * o_c + i0 * o_i0,
+                             n0, s0, n1, s1, n2, s2, s, cc, pf, nxt)
+        # Raw pointers hold no reference: use the buffers last, so that Numba keeps them.
+        mu_buf[0] = q_buf[0] = t_buf[0] = s_buf[0] = 0
+        i_buf[0] = 0
+
+
+def _renamed(f, name):
+    """A copy of function ``f`` called ``name``. Numba's disk cache is keyed by the
+    function's name and bytecode, not by compile flags: the serial and the parallel
+    compile of one function would overwrite each other's cache entries."""
+    g = FunctionType(f.__code__, f.__globals__, name, f.__defaults__, f.__closure__)
+    g.__qualname__ = name
+    return g
+
+
+_parallel = njit(parallel=True, **_jit)(_kernel)
+# In a forked child of a process that used GNU OpenMP a parallel region kills the
+# process; there the same kernel runs compiled without threads.
+_serial = njit(**_jit)(_renamed(_kernel, "_kernel_serial"))
+
+
+# ---------------------------------------------------------------------------------------
+# The backward (docs/autograd.md, "The backend contract"): the adjoint of S.
 
 def _window_adder(dec):
     """A compiled ``add_window`` with the source's element decoder built in."""
@@ -707,404 +785,6 @@ def _add_window_any(dst, addr, code, off, si, sj, i_lo, i_hi, j_lo, j_hi, pitch,
         _add_window_bf16(dst, _u16_at(addr), off, si, sj, i_lo, i_hi, j_lo, j_hi, pitch, step,
                          scale)
 
-
-def _window_quad_adder(dec):
-    """A compiled ``add_window_quad``: the direct plan's inner loop, four channels per pass
-    over ``dst`` (as phase 1's ``add_quad``). Over the window ``i_lo <= i < i_hi``,
-    ``j_lo <= j < j_hi``: ``dst[i*pitch + j] += sum over q < 4 of (gamma_q + a_q * mu_q)``,
-    ``gamma_q = gp[g_at + q*g_c + i*gsi + j*gsj]``, ``mu_q = mp[m_at + q*m_c + i*msi +
-    j*msj]``, both of one dtype; without gamma the mu terms only."""
-
-    def add_window_quad(dst, pitch, gp, g_at, g_c, gsi, gsj, mp, m_at, m_c, msi, msj,
-                        a0, a1, a2, a3, i_lo, i_hi, j_lo, j_hi, with_gamma):
-        nj = j_hi - j_lo
-        for i in range(i_lo, i_hi):
-            d = _offset(dst, i * pitch + j_lo)
-            g0 = g_at + i * gsi + j_lo * gsj
-            g1, g2, g3 = g0 + g_c, g0 + 2 * g_c, g0 + 3 * g_c
-            m0 = m_at + i * msi + j_lo * msj
-            m1, m2, m3 = m0 + m_c, m0 + 2 * m_c, m0 + 3 * m_c
-            if gsj == 1 and msj == 1 and with_gamma:  # unit steps: vectorised
-                for j in range(nj):
-                    d[j] += (((_like(dec(gp[g0 + j]), dst) + _like(dec(gp[g1 + j]), dst))
-                              + (_like(dec(gp[g2 + j]), dst) + _like(dec(gp[g3 + j]), dst)))
-                             + ((a0 * dec(mp[m0 + j]) + a1 * dec(mp[m1 + j]))
-                                + (a2 * dec(mp[m2 + j]) + a3 * dec(mp[m3 + j]))))
-            elif with_gamma:
-                for j in range(nj):
-                    gj, mj = j * gsj, j * msj
-                    d[j] += (((_like(dec(gp[g0 + gj]), dst) + _like(dec(gp[g1 + gj]), dst))
-                              + (_like(dec(gp[g2 + gj]), dst) + _like(dec(gp[g3 + gj]), dst)))
-                             + ((a0 * dec(mp[m0 + mj]) + a1 * dec(mp[m1 + mj]))
-                                + (a2 * dec(mp[m2 + mj]) + a3 * dec(mp[m3 + mj]))))
-            elif msj == 1:
-                for j in range(nj):
-                    d[j] += ((a0 * dec(mp[m0 + j]) + a1 * dec(mp[m1 + j]))
-                             + (a2 * dec(mp[m2 + j]) + a3 * dec(mp[m3 + j])))
-            else:
-                for j in range(nj):
-                    mj = j * msj
-                    d[j] += ((a0 * dec(mp[m0 + mj]) + a1 * dec(mp[m1 + mj]))
-                             + (a2 * dec(mp[m2 + mj]) + a3 * dec(mp[m3 + mj])))
-
-    return njit(**_inner)(add_window_quad)
-
-
-_add_window_quad_keep = _window_quad_adder(_keep)
-_add_window_quad_f16 = _window_quad_adder(_f16_decode)
-_add_window_quad_bf16 = _window_quad_adder(_bf16_decode)
-
-
-@njit(**_inner)
-def _add_window_quad_any(dst, pitch, code, g_addr, g_at, g_c, gsi, gsj, m_addr, m_at, m_c,
-                         msi, msj, a0, a1, a2, a3, i_lo, i_hi, j_lo, j_hi, with_gamma):
-    if code == F32:
-        _add_window_quad_keep(dst, pitch, _f32_at(g_addr), g_at, g_c, gsi, gsj, _f32_at(m_addr),
-                              m_at, m_c, msi, msj, a0, a1, a2, a3, i_lo, i_hi, j_lo, j_hi,
-                              with_gamma)
-    elif code == F64:
-        _add_window_quad_keep(dst, pitch, _f64_at(g_addr), g_at, g_c, gsi, gsj, _f64_at(m_addr),
-                              m_at, m_c, msi, msj, a0, a1, a2, a3, i_lo, i_hi, j_lo, j_hi,
-                              with_gamma)
-    elif code == F16:
-        _add_window_quad_f16(dst, pitch, _u16_at(g_addr), g_at, g_c, gsi, gsj, _u16_at(m_addr),
-                             m_at, m_c, msi, msj, a0, a1, a2, a3, i_lo, i_hi, j_lo, j_hi,
-                             with_gamma)
-    else:
-        _add_window_quad_bf16(dst, pitch, _u16_at(g_addr), g_at, g_c, gsi, gsj,
-                              _u16_at(m_addr), m_at, m_c, msi, msj, a0, a1, a2, a3, i_lo,
-                              i_hi, j_lo, j_hi, with_gamma)
-
-
-@njit(**_inner)
-def _sum_runs(dst, src, at, n, run):
-    """``dst[e] = sum over w < n of src[at[w] + e]`` for ``e < run``: the M plan's box
-    filter, four windows a pass, so that ``dst`` is loaded and stored once per four."""
-    r = n % 4 if n % 4 else min(n, 4)  # the first pass: the remainder, or four
-    s0, s1, s2, s3 = (_offset(src, at[0]), _offset(src, at[1]), _offset(src, at[2]),
-                      _offset(src, at[3]))
-    if r == 0:
-        for e in range(run):
-            dst[e] = 0
-    elif r == 1:
-        for e in range(run):
-            dst[e] = s0[e]
-    elif r == 2:
-        for e in range(run):
-            dst[e] = s0[e] + s1[e]
-    elif r == 3:
-        for e in range(run):
-            dst[e] = s0[e] + s1[e] + s2[e]
-    else:
-        for e in range(run):
-            dst[e] = s0[e] + s1[e] + s2[e] + s3[e]
-    for w in range(r, n, 4):
-        s0, s1, s2, s3 = (_offset(src, at[w]), _offset(src, at[w + 1]),
-                          _offset(src, at[w + 2]), _offset(src, at[w + 3]))
-        for e in range(run):
-            dst[e] += s0[e] + s1[e] + s2[e] + s3[e]
-
-
-@njit(**_inner)
-def _itemsize(code):
-    return 2 if code == F16 or code == BF16 else (4 if code == F32 else 8)
-
-
-@njit(**_inner)
-def _prefetch_plane(addr, code, off, sx, sy, H, W, write):
-    """Prefetch the cache lines of one H x W plane (rows with unit inner stride only)."""
-    if sy != 1:
-        return  # strided rows: left to the hardware
-    if sx == W:  # one contiguous run
-        H, W = 1, H * W
-    isz = _itemsize(code)
-    for x in range(H):
-        start = addr + (off + x * sx) * isz
-        end = start + W * isz
-        line = start & ~63
-        while line < end:
-            if write:
-                _prefetch_write(line)
-            else:
-                _prefetch_read(line)
-            line += 64
-
-
-@njit(**_inner)
-def _prefetch_window(addr, code, off, si, sj, i_lo, i_hi, j_lo, j_hi):
-    """Prefetch (for reading) the cache lines of the window ``off + i*si + j*sj``,
-    ``i_lo <= i < i_hi``, ``j_lo <= j < j_hi``: the lines each row spans, or, where the
-    elements of a row are a line or more apart, the line of each element."""
-    isz = _itemsize(code)
-    step = abs(sj) * isz
-    for i in range(i_lo, i_hi):
-        a = addr + (off + i * si + j_lo * sj) * isz
-        if step >= 64:
-            for j in range(j_hi - j_lo):
-                _prefetch_read(a + j * sj * isz)
-        else:
-            z = a + (j_hi - j_lo - 1) * sj * isz
-            line, end = min(a, z) & ~63, max(a, z)
-            while line <= end:
-                _prefetch_read(line)
-                line += 64
-
-
-@njit(**_inner)
-def _inside(offset, s, n, n_out):
-    """[lo, hi): the outputs i < n_out whose input position i*s + offset lies in [0, n)."""
-    lo = max(0, (s - 1 - offset) // s)
-    hi = min(n_out, (n - 1 - offset) // s + 1)
-    return lo, max(lo, hi)
-
-
-# ---------------------------------------------------------------------------------------
-# The kernel.
-
-# The kernel's integer arguments, in the order of its ``prm`` vector (one int64 array:
-# Numba types one array argument faster than forty integers). Addresses are in bytes,
-# strides in elements; out's and gamma's strides are those of their channel diagonals.
-_PRM = ("B Ci Co G H W Ho Wo kh kw sh sw ph pw dh dw pairs "
-        "o_addr o_code o_b o_c o_i0 o_j0 o_i1 o_j1 "
-        "g_addr g_code g_b g_c g_x0 g_y0 g_x1 g_y1 "
-        "m_addr m_code m_b m_c m_x m_y c_addr c_code c_s pf_gamma pf_out direct w_addr").split()
-
-
-def _kernel(prm, c_value, M):
-    """Add ``c[c0] * S[b, g(c0)]`` into out; ``M`` is the phase-1 buffer (acc dtype; empty
-    in the direct plan)."""
-    B, Ci, Co, G, H, W, Ho, Wo = prm[0], prm[1], prm[2], prm[3], prm[4], prm[5], prm[6], prm[7]
-    kh, kw, sh, sw, ph, pw, dh, dw = (prm[8], prm[9], prm[10], prm[11], prm[12], prm[13],
-                                      prm[14], prm[15])
-    pairs = prm[16]  # (b, g) pairs per chunk: M holds pairs x H*W*H*W values (M plan)
-    o_addr, o_code, o_b, o_c, o_i0, o_j0, o_i1, o_j1 = (prm[17], prm[18], prm[19], prm[20],
-                                                          prm[21], prm[22], prm[23], prm[24])
-    g_addr, g_code, g_b, g_c, g_x0, g_y0, g_x1, g_y1 = (prm[25], prm[26], prm[27], prm[28],
-                                                          prm[29], prm[30], prm[31], prm[32])
-    m_addr, m_code, m_b, m_c, m_x, m_y = prm[33], prm[34], prm[35], prm[36], prm[37], prm[38]
-    c_addr, c_code, c_s = prm[39], prm[40], prm[41]
-    PF_GAMMA, PF_OUT = prm[42], prm[43]
-    direct = prm[44] != 0  # S rows straight from gamma and mu: no phase 1, no M
-    w_addr = prm[45]  # where the sums go: o_addr (in place) or a result apart from out
-    with_gamma = g_code != ABSENT
-    same_code = not with_gamma or g_code == m_code
-    Cg, Cog, HW, HoWo = Ci // G, Co // G, H * W, Ho * Wo
-    # M's (x1, y1) planes carry the padding as zeros, Hp x Wp: every window of phase 2 then
-    # lies inside its plane and is one run, and adding a zero is skipping the term exactly
-    Hp, Wp = (H + 2 * ph, W + 2 * pw) if sw == 1 else (H, W)
-    PL = Hp * Wp
-    for first in range(0, B * G, pairs):
-        n = min(pairs, B * G - first)
-
-        # Phase 1 (M plan): M[t, x0, y0] = sum over the group's ci of gamma + mu outer
-        # product. (Its count is a variable: a conditional expression in prange's
-        # argument makes Numba run the loop serially.)
-        tasks = 0 if direct else n * H
-        for task in prange(tasks):
-            t, x0 = task // H, task % H
-            b, g = (first + t) // G, (first + t) % G
-            # Four channels per pass when gamma (if any) and mu share a dtype and their
-            # planes are contiguous: the common case.
-            quads = ((not with_gamma or (g_code == m_code and g_y1 == 1 and g_x1 == W))
-                     and m_y == 1 and m_x == W)
-            # the row M[t, x0, y0] is summed dense, in place where there is no padding
-            dense_buf = np.empty(HW if PL != HW else 1, M.dtype)
-            for y0 in range(W):
-                plane = _offset(_data(M), (task * W + y0) * PL)
-                dst = plane if PL == HW else _data(dense_buf)
-                for e in range(HW):
-                    dst[e] = 0
-                g_at = b * g_b + x0 * g_x0 + y0 * g_y0  # + ci * g_c: gamma[b, ci, x0, y0, (ci)]
-                m_at = b * m_b  # + ci * m_c: mu[b, ci]
-                m_xy = x0 * m_x + y0 * m_y
-                ci = g * Cg
-                while ci < (g + 1) * Cg:
-                    step = 4 if quads and ci + 4 <= (g + 1) * Cg else 1
-                    p0 = p1 = p2 = p3 = 0
-                    if with_gamma and PF_GAMMA > 0:
-                        # The planes PF_GAMMA planes ahead, in (y0, ci) order.
-                        isz = _itemsize(g_code)
-                        at = b * g_b + x0 * g_x0
-                        ahead = y0 * Cg + ci - g * Cg + PF_GAMMA
-                        p0 = _plane_ahead(g_addr, isz, at, g, Cg, g_c, g_y0, W, ahead)
-                        if step == 4:  # asked for line by line while these four are summed
-                            p1 = _plane_ahead(g_addr, isz, at, g, Cg, g_c, g_y0, W, ahead + 1)
-                            p2 = _plane_ahead(g_addr, isz, at, g, Cg, g_c, g_y0, W, ahead + 2)
-                            p3 = _plane_ahead(g_addr, isz, at, g, Cg, g_c, g_y0, W, ahead + 3)
-                        elif p0 != 0:  # one plane: asked for in one burst, now
-                            _prefetch_plane(p0, g_code, 0, g_x1, g_y1, H, W, False)
-                    if step == 4:
-                        m0, m1, m2, m3 = (m_at + ci * m_c, m_at + (ci + 1) * m_c,
-                                          m_at + (ci + 2) * m_c, m_at + (ci + 3) * m_c)
-                        _add_quad_any(dst, m_code, g_addr, g_at + ci * g_c,
-                                      g_at + (ci + 1) * g_c, g_at + (ci + 2) * g_c,
-                                      g_at + (ci + 3) * g_c, m_addr, m0, m1, m2, m3,
-                                      _like(_load(m_addr, m_code, m0 + m_xy), M),
-                                      _like(_load(m_addr, m_code, m1 + m_xy), M),
-                                      _like(_load(m_addr, m_code, m2 + m_xy), M),
-                                      _like(_load(m_addr, m_code, m3 + m_xy), M),
-                                      HW, with_gamma, p0, p1, p2, p3)
-                    else:
-                        m_off = m_at + ci * m_c
-                        mu0 = _like(_load(m_addr, m_code, m_off + m_xy), M)
-                        if with_gamma and g_code == m_code:
-                            _add_pair_any(dst, g_addr, g_code, g_at + ci * g_c, g_x1, g_y1,
-                                          m_addr, m_off, m_x, m_y, H, W, mu0)
-                        else:  # no gamma, or mixed dtypes: one plane at a time
-                            if with_gamma:
-                                _add_plane_any(dst, g_addr, g_code, g_at + ci * g_c, g_x1,
-                                               g_y1, H, W, _like(1.0, M))
-                            _add_plane_any(dst, m_addr, m_code, m_off, m_x, m_y, H, W, mu0)
-                    ci += step
-                if PL != HW:  # into the padded plane, zeros around, each element once
-                    for e in range(ph * Wp):
-                        plane[e] = plane[PL - 1 - e] = 0
-                    for x1 in range(H):
-                        row = _offset(plane, (x1 + ph) * Wp)
-                        for y1 in range(pw):
-                            row[y1] = row[Wp - 1 - y1] = 0
-                        for y1 in range(W):
-                            row[pw + y1] = dst[x1 * W + y1]
-            dense_buf[0] = 0
-
-        # Phase 2: S rows by the box filter over (ii, ji), added into every c0 of g.
-        for task in prange(n * Ho):
-            t, i0 = task // Ho, task % Ho
-            b, g = (first + t) // G, (first + t) % G
-            # Thread-local buffers. With sw == 1 the M plan's box filter works on rows of
-            # pitch P = sh * Wp, the distance in M's padded plane between rows x1 and
-            # x1 + sh: then an S position (i1, j1) and the M position it reads differ by a
-            # constant for each (ii, ji), and a whole window is one contiguous run (the
-            # columns past Wo collect harmless garbage).
-            flat = not direct and sw == 1
-            P = sh * Wp if flat else Wo
-            box_buf = np.empty(Ho * P, M.dtype)
-            srow_buf = np.empty(HoWo, M.dtype)
-            at_buf = np.empty(kh * kw + 3, np.int64)  # the M plan's windows of one S row
-            Mp = _data(M)
-            box = _data(box_buf)
-            at = _data(at_buf)
-            srow = box if P == Wo else _data(srow_buf)
-            for j0 in range(Wo):
-                if not flat:
-                    for e in range(HoWo):
-                        box[e] = 0
-                n_at = 0
-                for ii in range(kh):
-                    x0 = i0 * sh + ii * dh - ph
-                    if x0 < 0 or x0 >= H:
-                        continue  # the whole term lies in the padding: skipped, not 0*x
-                    i1_lo, i1_hi = _inside(ii * dh - ph, sh, H, Ho)
-                    if i1_lo == i1_hi:
-                        continue
-                    for ji in range(kw):
-                        y0 = j0 * sw + ji * dw - pw
-                        if y0 < 0 or y0 >= W:
-                            continue
-                        j1_lo, j1_hi = _inside(ji * dw - pw, sw, W, Wo)
-                        if j1_lo == j1_hi:
-                            continue
-                        # x1 = i1*sh + ii*dh - ph, y1 = j1*sw + ji*dw - pw over i1, j1 inside
-                        if direct:
-                            # gamma[b, ci, x0, y0, (ci,) x1, y1]
-                            # + mu[b, ci, x0, y0] * mu[b, ci, x1, y1]: four channels per
-                            # pass where gamma and mu share a dtype, else one at a time
-                            g_at = (b * g_b + x0 * g_x0 + y0 * g_y0 + (ii * dh - ph) * g_x1
-                                    + (ji * dw - pw) * g_y1)
-                            m_at = b * m_b + (ii * dh - ph) * m_x + (ji * dw - pw) * m_y
-                            m_xy = b * m_b + x0 * m_x + y0 * m_y
-                            # the same windows PF_GAMMA S rows ahead (at y0 + PF_GAMMA * sw)
-                            pf_at = g_at + PF_GAMMA * sw * g_y0
-                            pf = with_gamma and PF_GAMMA > 0 and y0 + PF_GAMMA * sw < W
-                            ci = g * Cg
-                            while ci < (g + 1) * Cg:
-                                step = 4 if same_code and ci + 4 <= (g + 1) * Cg else 1
-                                if pf:
-                                    for q in range(step):
-                                        _prefetch_window(g_addr, g_code, pf_at + (ci + q) * g_c,
-                                                         sh * g_x1, sw * g_y1, i1_lo, i1_hi,
-                                                         j1_lo, j1_hi)
-                                if step == 4:
-                                    m_ci = m_xy + ci * m_c
-                                    _add_window_quad_any(
-                                        box, Wo, m_code, g_addr, g_at + ci * g_c, g_c,
-                                        sh * g_x1, sw * g_y1, m_addr, m_at + ci * m_c, m_c,
-                                        sh * m_x, sw * m_y,
-                                        _like(_load(m_addr, m_code, m_ci), M),
-                                        _like(_load(m_addr, m_code, m_ci + m_c), M),
-                                        _like(_load(m_addr, m_code, m_ci + 2 * m_c), M),
-                                        _like(_load(m_addr, m_code, m_ci + 3 * m_c), M),
-                                        i1_lo, i1_hi, j1_lo, j1_hi, with_gamma)
-                                else:
-                                    if with_gamma:
-                                        _add_window_any(box, g_addr, g_code, g_at + ci * g_c,
-                                                        sh * g_x1, sw * g_y1, i1_lo, i1_hi,
-                                                        j1_lo, j1_hi, Wo, 1, _like(1.0, M))
-                                    mu0 = _like(_load(m_addr, m_code, m_xy + ci * m_c), M)
-                                    _add_window_any(box, m_addr, m_code, m_at + ci * m_c,
-                                                    sh * m_x, sw * m_y, i1_lo, i1_hi, j1_lo,
-                                                    j1_hi, Wo, 1, mu0)
-                                ci += step
-                            continue
-                        t_at = ((t * H + x0) * W + y0) * PL
-                        if flat:  # M[t, x0, y0, x1 + ph, y1 + pw] at i1 = j1 = 0, summed below
-                            at[n_at] = t_at + ii * dh * Wp + ji * dw
-                            n_at += 1
-                        else:  # M[t, x0, y0, x1, y1], strided: row by row
-                            _add_window_keep(box, Mp, t_at + (ii * dh - ph) * W + ji * dw - pw,
-                                             sh * W, sw, i1_lo, i1_hi, j1_lo, j1_hi, Wo, 1,
-                                             _like(1.0, M))
-                if flat:
-                    _sum_runs(box, Mp, at, n_at, (Ho - 1) * P + Wo)
-                if P != Wo:
-                    for i1 in range(Ho):
-                        for j1 in range(Wo):
-                            srow[i1 * Wo + j1] = box[i1 * P + j1]
-                for c0 in range(g * Cog, (g + 1) * Cog):
-                    if PF_OUT > 0:  # ask for the out row PF_OUT rows ahead, in (j0, c0) order
-                        ahead = j0 * Cog + c0 - g * Cog + PF_OUT
-                        if ahead < Wo * Cog:
-                            _prefetch_plane(o_addr, o_code,
-                                            b * o_b + (g * Cog + ahead % Cog) * o_c
-                                            + i0 * o_i0 + (ahead // Cog) * o_j0,
-                                            o_i1, o_j1, Ho, Wo, True)
-                        elif task + 1 < n * Ho and ahead - Wo * Cog < Wo * Cog:
-                            ahead -= Wo * Cog  # the next task's first rows
-                            t2, i2 = (task + 1) // Ho, (task + 1) % Ho
-                            b2, g2 = (first + t2) // G, (first + t2) % G
-                            _prefetch_plane(o_addr, o_code,
-                                            b2 * o_b + (g2 * Cog + ahead % Cog) * o_c
-                                            + i2 * o_i0 + (ahead // Cog) * o_j0,
-                                            o_i1, o_j1, Ho, Wo, True)
-                    cc = _like(c_value if c_code == ABSENT else
-                               _load(c_addr, c_code, c0 * c_s), M)
-                    off = b * o_b + c0 * o_c + i0 * o_i0 + j0 * o_j0
-                    _add_row_any(o_addr, o_code, off, o_i1, o_j1, Ho, Wo, srow, cc, w_addr)
-            if w_addr != o_addr:
-                _store_fence()  # the non-temporal stores of the result apart from out
-            # Raw pointers do not hold a reference: use the buffers last, here, so that
-            # Numba cannot free them while the pointers are in use.
-            box_buf[0] = srow_buf[0] = 0
-            at_buf[0] = 0
-
-
-def _renamed(f, name):
-    """A copy of function ``f`` called ``name``. Numba's disk cache is keyed by the
-    function's name and bytecode, not by compile flags: the serial and the parallel
-    compile of one function would overwrite each other's cache entries."""
-    g = FunctionType(f.__code__, f.__globals__, name, f.__defaults__, f.__closure__)
-    g.__qualname__ = name
-    return g
-
-
-_parallel = njit(parallel=True, **_jit)(_kernel)
-# In a forked child of a process that used GNU OpenMP a parallel region kills the
-# process; there the same kernel runs compiled without threads.
-_serial = njit(**_jit)(_renamed(_kernel, "_kernel_serial"))
-
-
-# ---------------------------------------------------------------------------------------
-# The backward (docs/autograd.md, "The backend contract"): the adjoint of S.
 
 
 def _plane_storer(enc):
@@ -1297,10 +977,10 @@ def _vjp_kernel(prm):
                 for e in range(HoWo):
                     dst[e] = 0
                 at = b * s_b + g * s_g
-                _add_plane_any(dst, s_addr, s_code, at + i0 * s_i0 + j0 * s_j0, s_i1, s_j1,
-                               Ho, Wo, 1.0)
-                _add_plane_any(dst, s_addr, s_code, at + i0 * s_i1 + j0 * s_j1, s_i0, s_j0,
-                               Ho, Wo, 1.0)
+                _add_window_any(dst, s_addr, s_code, at + i0 * s_i0 + j0 * s_j0, s_i1, s_j1,
+                                0, Ho, 0, Wo, Wo, 1, 1.0)
+                _add_window_any(dst, s_addr, s_code, at + i0 * s_i1 + j0 * s_j1, s_i0, s_j0,
+                                0, Ho, 0, Wo, Wo, 1, 1.0)
 
         for task in prange(n * H):
             t, x0 = task // H, task % H
@@ -1388,10 +1068,6 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def _run(prm, c_value, M) -> None:
-    _call(_parallel, _serial, prm, c_value, M)
-
-
 def _call(parallel, serial, *args) -> None:
     global _layer
     if _forked_after_omp:
@@ -1406,37 +1082,24 @@ def _call(parallel, serial, *args) -> None:
             _layer = _current_layer()
 
 
-#: Phase-1 buffer (M plan) per chunk of (b, g) pairs, in bytes: big enough to give every
-#: core work, small enough to stay in the last-level cache between phase 1 and phase 2.
-#: The backward's chunk of grad_S + grad_S^T is sized by it too.
-CHUNK_BYTES = 4 << 20
-#: Software prefetch distance, in bytes ahead of the plane / row being read (converted to
-#: whole gamma planes and out rows); measured on the ``cpu`` workload, docs/numba.md.
+_threads = numba.get_num_threads  # (tests ask for more segments)
+#: Software prefetch of gamma's rows one row y0 ahead where a row y0 of one channel spans
+#: at most this many bytes (short runs): grp8 and dil2 1.1x, cpu 1.09x, mb-dw-s2 1.05-1.08x
+GAMMA_PF_SPAN = 1024
+#: Software prefetch of out's runs (full layout), in bytes ahead: the ``cpu`` workload 1.15x
 PREFETCH_BYTES = 8 << 10
 #: Below this many bytes of channel diagonals the data sit in cache: no prefetching.
 PREFETCH_FROM_BYTES = 8 << 20
 
+#: The backward's chunk of grad_S + grad_S^T, in bytes.
+CHUNK_BYTES = 4 << 20
 #: From this many bytes of grad_gamma's channel diagonal on, the backward writes it with
 #: non-temporal stores (measured on the ``cpu`` shapes, docs/numba.md).
 STREAM_FROM_BYTES = 8 << 20
 
-_O_ADDR, _G_ADDR, _M_ADDR, _C_ADDR, _PAIRS, _W_ADDR = (
-    _PRM.index(n) for n in ("o_addr", "g_addr", "m_addr", "c_addr", "pairs", "w_addr"))
-
-
-#: How many times a term of the direct plan's windows (strided gathers, several pointers)
-#: costs a term of phase 1's contiguous four-channel passes: r20-short (1x1, stride 2, 16
-#: times fewer terms) 8.7 -> 1.6 ms direct; r20-down (1.7 times fewer) 8.7 ms with M,
-#: 9.4 direct (host, one call of the layers suite's shapes).
-DIRECT_COST = 4
-
-
-def _direct_plan(kh, kw, HW, HoWo, Cg):
-    """Whether the forward takes the direct plan (no M)."""
-    # Per pair it reads Cg*kh*kw*(Ho*Wo)**2 terms where the M plan reads Cg*(H*W)**2 into
-    # M, writes M's (H*W)**2 and reads kh*kw*(Ho*Wo)**2 of it back: with few channels M's
-    # own traffic counts (mb-dw-s2, one channel a group: direct about 1.1x as fast).
-    return DIRECT_COST * Cg * kh * kw * HoWo**2 < Cg * HW**2 + HW**2 + kh * kw * HoWo**2
+_O_ADDR, _G_ADDR, _M_ADDR, _C_ADDR, _W_ADDR = (
+    _PRM.index(n) for n in ("o_addr", "g_addr", "m_addr", "c_addr", "w_addr"))
+_PROTO = {"float32": np.zeros(1, np.float32), "float64": np.zeros(1, np.float64)}
 
 
 #: How many times a term of the backward's grad_mu windows (strided, short runs) costs a
@@ -1450,50 +1113,59 @@ def _vjp_windows(kh, kw, HW, HoWo):
     return VJP_WINDOWS_COST * kh * kw * HoWo**2 < HW**2
 
 
+def _merged(dims):
+    """(n, stride) pairs, outermost first, with each pair merged into the one outside it
+    where together they are one run; padded to three."""
+    out = []
+    for n, s in dims:
+        if out and out[-1][1] == n * s:
+            out[-1] = (out[-1][0] * n, s)
+        else:
+            out.append((n, s))
+    return [(1, 0)] * (3 - len(out)) + out
+
+
 def _params(p):
-    """(the kernel's parameters for p's signature, addresses 0; the accumulation type;
-    the size of one (b, g) plane of its buffer: 0 in the direct plan)."""
-    acc = np.float64 if p.acc == "float64" else np.float32
-    if p.c is None:
-        c_part = (0, ABSENT, 0)
-    else:
-        ci = p.c_info
-        c_part = (0, _CODE[ci.dtype], ci.strides[0] if ci.strides else 0)
+    """(the kernel's parameters for p's signature, addresses 0; the accumulation type and
+    its prototype array)."""
     o, gi, m = p.out_info, p.gamma_info, p.mu_info
-    o_part = (0, _CODE[o.dtype]) + diag_strides(o.strides, p.full_out)
-    if gi is None:
-        g_part = (0, ABSENT, 0, 0, 0, 0, 0, 0)
-    else:
-        g_part = (0, _CODE[gi.dtype]) + diag_strides(gi.strides, p.full_gamma)
-    Cg = p.Ci // p.G
-    direct = _direct_plan(p.kh, p.kw, p.H * p.W, p.Ho * p.Wo, Cg)
-    pf = (0, 0)
-    if sum(p.diagonal_bytes()) >= PREFETCH_FROM_BYTES:
-        isz = 2 if gi is None else _ITEMSIZE[gi.dtype]
-        # ahead by whole gamma planes (M plan) or whole S rows' windows (direct plan)
-        g_ahead = (p.kh * p.kw * Cg * p.Ho * p.Wo if direct else p.H * p.W) * isz
-        pf = (max(1, PREFETCH_BYTES // g_ahead),
-              max(1, PREFETCH_BYTES // (p.Ho * p.Wo * _ITEMSIZE[o.dtype])))
-    pad = (p.ph, p.pw) if p.sw == 1 else (0, 0)  # M's planes padded, as in _kernel
-    plane = 0 if direct else p.H * p.W * (p.H + 2 * pad[0]) * (p.W + 2 * pad[1])
-    acc_size = 4 if acc is np.float32 else 8
-    pairs = max(1, min(p.B * p.G, CHUNK_BYTES // max(plane * acc_size, 1)))
-    prm = np.array((p.B, p.Ci, p.Co, p.G, p.H, p.W, p.Ho, p.Wo, p.kh, p.kw, p.sh, p.sw,
-                    p.ph, p.pw, p.dh, p.dw, pairs, *o_part, *g_part, 0,
-                    _CODE[m.dtype], *m.strides, *c_part, *pf, int(direct), 0), np.int64)
+    _, o_b, o_c, o_i0, o_j0, o_i1, o_j1 = (0,) + diag_strides(o.strides, p.full_out)
+    dims = _merged([(p.Wo, o_j0), (p.Ho, o_i1), (p.Wo, o_j1)])
+    g_part = ((0, ABSENT, 0, 0, 0, 0, 0, 0) if gi is None
+              else (0, _CODE[gi.dtype]) + diag_strides(gi.strides, p.full_gamma))
+    c_part = ((0, ABSENT, 0) if p.c is None else
+              (0, _CODE[p.c_info.dtype], p.c_info.strides[0] if p.c_info.strides else 0))
+    # Items (b, g, segment of i0): at least one a thread.
+    nseg = min(p.Ho, -(-_threads() // (p.B * p.G)))
+    seglen = -(-p.Ho // nseg)
+    nseg = -(-p.Ho // seglen)
+    # out's runs prefetched PREFETCH_BYTES ahead where its blocks are runs far apart (the
+    # full layout) and large enough not to sit in cache
+    runs = dims[0][0] * dims[1][0]
+    pf = 0
+    if runs > 1 and sum(p.diagonal_bytes()) >= PREFETCH_FROM_BYTES:
+        pf = min(runs, -(-PREFETCH_BYTES // (dims[2][0] * _ITEMSIZE[o.dtype])))
+    # gamma's rows one row y0 ahead where those of one y0 span at most GAMMA_PF_SPAN bytes
+    span = (p.H // p.sh * p.W * _ITEMSIZE[gi.dtype]) if gi is not None else 1 << 60
+    pf_g = int(span <= GAMMA_PF_SPAN)
+    prm = np.array((p.B, p.G, p.Ci // p.G, p.Co // p.G, p.H, p.W, p.Ho, p.Wo, p.kh, p.kw,
+                    p.sh, p.sw, p.ph, p.pw, p.dh, p.dw, nseg, seglen,
+                    0, _CODE[o.dtype], o_b, o_c, o_i0, *(v for d in dims for v in d), pf, 0,
+                    *g_part, 0, _CODE[m.dtype], *m.strides, *c_part, pf_g), np.int64)
     assert len(prm) == len(_PRM)
-    return prm, acc, plane
+    acc = np.float64 if p.acc == "float64" else np.float32
+    return prm, acc, _PROTO[p.acc]
 
 
 def _accumulate_at(prms, optr, gptr, mptr, cptr, c_value, wptr=None):
     """One call: a copy of the signature's parameters (_params) with the call's addresses
     (0 for an absent gamma or a number c) and c_value, the number c; ``wptr``: where the
     result goes when not into out itself (accumulate_apart)."""
-    prm, acc, plane = prms
+    prm, acc, proto = prms
     prm = prm.copy()
     prm[_O_ADDR], prm[_G_ADDR], prm[_M_ADDR], prm[_C_ADDR] = optr, gptr, mptr, cptr
     prm[_W_ADDR] = optr if wptr is None else wptr
-    _run(prm, acc(c_value), np.empty(prm[_PAIRS] * plane, acc))
+    _call(_parallel, _serial, prm, acc(c_value), proto)
 
 
 class NumbaBackend(Backend):
@@ -1505,7 +1177,7 @@ class NumbaBackend(Backend):
         self._launch(p, p.out_info.ptr)
 
     def accumulate_apart(self, p, source) -> None:
-        # out's rows are contiguous (the contract): each is read from source, written to out
+        # source has out's strides (the contract): each element is read there, written to out
         self._launch(p, source.__array_interface__["data"][0], p.out_info.ptr)
 
     @staticmethod

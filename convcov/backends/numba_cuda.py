@@ -7,39 +7,35 @@ arrays' device and their library's current stream: torch's for torch tensors, Cu
 CuPy arrays; for other ``__cuda_array_interface__`` objects the stream ``out`` names, after
 the streams the inputs name (``convcov._arrays.launch_streams``).
 
-Design (docs/backends.md "The GPU design", docs/numba_cuda.md). ``convcov.backends._plan``
-chooses, from the problem's quantities, at most three launches, the kernels of cupy's
-``SOURCE`` written in Numba:
+Design (docs/numba_cuda.md; cupy's ``cc_walk`` and ``cc_stream``, docs/cupy.md), the
+sizes from ``convcov.backends._plan``:
 
-* ``gsum`` (where S is formed from T) reads gamma's channel-diagonal once, V elements a
-  load, and writes ``T[b, g, x0, y0, x1, y1]``, the group's channel sum of
-  ``gamma + mu (x) mu``.
-* ``fused`` / ``fused_t`` form V consecutive values of a row ``S[b, g, p0, :]`` in registers
-  (straight from gamma and mu, or the kh x kw box filter of T) and add ``c[c0] * S`` into
-  out's channel-diagonal for a chunk of the group's output channels: S never reaches
-  memory.
-* ``stream`` (where ``_plan.stream_s``): the fused kernel writes S instead, and this kernel
-  streams ``out[b, c0] += c[c0] * S[b, g]`` in address order.
-* ``planes`` (cupy's ``cc_planes``: depthwise layers where S would come from T,
-  ``_plan.by_planes``, where ``_plan.planes`` fits): a block sums the planes
-  ``P[x0, :, x1, :]`` of gamma + mu (x) mu that a run of planes of S along one diagonal
-  ``i1 - i0`` reads into dynamic shared memory, once each, then forms those planes of S
-  from there and adds ``c[c0] * S`` into out: one launch, no T.
+* ``walk`` (``_plan.walk``): a block takes one (b, g), one diagonal ``i1 - i0`` of S's
+  planes ``S[b, g, i0, :, i1, :]`` (or a segment of it) and one tile of each plane. It
+  sums the planes of gamma's channel diagonal + mu (x) mu over the group that its step
+  needs into dynamic shared memory (each element of gamma it needs read once), row-filters
+  them into a ring of planes of T there, forms each plane of S as kh reads of the ring,
+  and adds ``c[c0] * S`` into out for every output channel of the group, or stores S.
+* ``stream``: where many output channels share S (``_plan.STREAM_BYTES``) and out's
+  ``(i1, j1)`` rows are contiguous, ``walk`` stores S and this kernel streams
+  ``out[b, c0] += c[c0] * S[b, g]`` in address order.
 
-Terms with a position in the padding are skipped (SPEC section 1), so NaN/Inf in ``mu``
-never meets a padded zero. Index arithmetic is 64-bit (divisions in 32 bits where the
-operands fit). Sums run in ``Problem.acc``; results are rounded once into out's dtype
-(a float64 sum reaches bfloat16 through round-to-odd float32). Numba has no syntax for
-16-byte accesses or cache qualifiers: ``_LDV``/``_STV`` are intrinsics (inline PTX).
+Terms with a position in the padding are absent (SPEC section 1): shared memory holds
+zeros there, never a product, so NaN/Inf in ``mu`` never meets a padded zero. Index
+arithmetic is 64-bit (divisions in 32 bits where the operands fit). Sums run in
+``Problem.acc``; results are rounded once into out's dtype (a float64 sum reaches
+bfloat16 through round-to-odd float32). Numba has no syntax for 16-byte accesses or cache
+qualifiers: ``_LDV``/``_STV`` are intrinsics (inline PTX).
 
 Arrays travel as raw device pointers plus element strides (``CPointer`` arguments), so any
 stride, torch's bfloat16 (as uint16 bits) and any library work alike. A signature's
-launches are planned once (``_plan``); a call fills in its addresses and launches each
-kernel with Numba's public kernel call on ``cuda.external_stream(handle)``. Scratch (S and
-T) comes from the arrays' library on the launch stream (torch's allocator, CuPy's pool);
-generic CUDA arrays take a Numba device array, kept beside an event until its kernels have
-run (``_hold``), since a memory-manager plugin may reuse a freed block on a stream of its
-own. The backward (``patch_moment_vjp``, docs/autograd.md) is two gathers without scratch.
+launches are planned once (``_make_plan``); a call fills in its addresses and launches
+each kernel with Numba's public kernel call on ``cuda.external_stream(handle)``. Scratch
+(S, where it goes through memory) comes from the arrays' library on the launch stream
+(torch's allocator, CuPy's pool); generic CUDA arrays take a Numba device array, kept
+beside an event until its kernels have run (``_hold``), since a memory-manager plugin may
+reuse a freed block on a stream of its own. The backward (``patch_moment_vjp``,
+docs/autograd.md) is two gathers without scratch.
 
 Under Numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``) the same kernels run on the CPU
 on numpy host views (``device = "cpu"``, never chosen automatically), with small blocks.
@@ -129,26 +125,6 @@ if _IMPORT_ERROR is None:
             return numba.int64(numba.uint32(a) // numba.uint32(b))
         return a // b
 
-    @cuda.jit(device=True)
-    def _split(n, per, inner, width):
-        """Item n of planes of ``per`` items, each a row of ``inner`` vectors of ``width``
-        elements: (plane, row, first element), the planes kernel's (u, y0, y1) of its fill
-        and (tt, j0, j1) of S."""
-        a = _div(n, per)
-        r = n - a * per
-        c = _div(r, inner)
-        return a, c, (r - c * inner) * width
-
-    @cuda.jit(device=True)
-    def _slice(z, nchunk, G, Cog, chunk):
-        """Work slice z of the fused and planes kernels: its b, g and chunk
-        [c_first, c_end) of the group's output channels (cupy's slice_of)."""
-        bg = _div(z, nchunk)
-        b = _div(bg, G)
-        g = bg - b * G
-        c_first = g * Cog + (z - bg * nchunk) * chunk
-        return b, g, c_first, min(c_first + chunk, (g + 1) * Cog)
-
     if SIM:
         def _to_acc(v, zero):
             if isinstance(v, np.uint16):
@@ -205,9 +181,10 @@ if _IMPORT_ERROR is None:
 # Vector loads and stores: ``_LDV[n, hint](ptr, i)`` returns ptr[i : i + n] as a tuple,
 # ``_STV[n, hint](ptr, i, arr, k)`` stores arr[k : k + n] (a local array of ptr's element
 # type); inline PTX, at most 16 bytes an instruction (16-bit elements in 32-bit words).
-# ``hint``: "cs" evict-first (gamma and out, touched once), "nc" the read-only path (mu, T,
-# re-read from the caches), "" none (S in stream: ptxas sinks .nc loads past the stores
-# into their branches, which left one vector of four not in flight). Loads are volatile
+# ``hint``: "cs" evict-first (gamma and out, touched once), "nc" the read-only path (mu,
+# re-read from the caches), "" none (S: stream's loads, where ptxas sank .nc loads past
+# the stores into their branches, which left one vector of four not in flight; walk_s's
+# stores, re-read by stream from L2). Loads are volatile
 # asm: LLVM must not sink them into the branch of their first use either. The caller
 # guarantees min(16, n * itemsize)-byte alignment (convcov._arrays.vector_width). Under
 # the simulator: plain indexing.
@@ -318,216 +295,291 @@ if _IMPORT_ERROR is None:
                 return nbt.void(ptr, i, arr, k), codegen
             return stv
 
-    _LDV = {(n, h): _make_ldv(n, h) for n in (1, 2, 4, 8) for h in ("", "cs", "nc")}
-    _STV = {(n, h): _make_stv(n, h) for n in (1, 2, 4, 8) for h in ("", "cs")}
+    _LDV = {(n, h): _make_ldv(n, h) for n in (1, 2, 4, 8, 16) for h in ("", "cs", "nc")}
+    _STV = {(n, h): _make_stv(n, h) for n in (1, 2, 4, 8, 16) for h in ("", "cs")}
 
 # ---------------------------------------------------------------------------------------
-# The forward kernels (cupy's SOURCE: cc_gsum, cc_fused, cc_stream, cc_planes). Index names
-# follow SPEC section 1. An array is (pointer, base, element strides): element [i, j, ...] is
+# The forward kernels (cupy's SOURCE: cc_walk, cc_stream). Index names follow SPEC section
+# 1. An array is (pointer, base, element strides): element [i, j, ...] is
 # ptr[base + i*s0 + j*s1 + ...]; out's and gamma's channel stride is the channel-diagonal's.
-# geo = (B, G, Cg, Cog, H, W, Ho, Wo, kh, kw, sh, sw, ph, pw, dh, dw). ``zero`` is 0 in the
+# geo = (B, G, Cg, Cog, H, W, Ho, Wo, kh, kw, sh, sw, ph, pw, dh, dw); ``zero`` is 0 in the
 # accumulation type (it types the sums). Each kernel comes from a factory whose arguments
-# (vector width V, accumulation type ACC, out's element type OT) are compile-time
-# constants, so ``for e in range(V)`` over local arrays unrolls into registers.
+# (vector widths, accumulation type ACC, out's element type OT, STORE) are compile-time
+# constants, so ``for e in range(V)`` over a local array unrolls into registers.
 # ---------------------------------------------------------------------------------------
 if _IMPORT_ERROR is None:
 
-    def _make_gsum(V, ACC, OT=None):
-        """T[b, g, x0, y0, q] = sum over ci of group g of gamma[b, ci, x0, y0, (ci,) q]
-        + mu[b, ci, x0, y0] * mu[b, ci, q], V consecutive q a thread (V > 1: q contiguous
-        in gamma and mu, rows aligned). UNROLL channels a step, all their loads issued
-        before the first sum (a warp issues in order)."""
-        ldg, ldm, stt, U = _LDV[V, "cs"], _LDV[V, "nc"], _STV[V, ""], _plan.UNROLL
+    _i32 = numba.int32
+
+    @cuda.jit(device=True)
+    def _items(nb, nc, tid, nthr):
+        """The first item (a, b, c) of an (any) x nb x nc space that thread ``tid`` of
+        ``nthr`` takes, and the step (da, db, dc) to its next, every nthr-th (cupy's Items):
+        a thread walks its items with _next, no division per item."""
+        n = nb * nc
+        a = _div(tid, n)
+        b = _div(tid - a * n, nc)
+        da = _div(nthr, n)
+        db = _div(nthr - da * n, nc)
+        return a, b, tid - a * n - b * nc, da, db, nthr - da * n - db * nc
+
+    @cuda.jit(device=True)
+    def _next(a, b, c, da, db, dc, nb, nc):
+        """The item after (a, b, c) of _items' walk."""
+        c += dc
+        if c >= nc:
+            c -= nc
+            b += 1
+        b += db
+        if b >= nb:
+            b -= nb
+            a += 1
+        return a + da, b, c
+
+    @cuda.jit(device=True)
+    def _wanted(u, ulo, uhi, sh, reach):
+        """Whether the walk's plane u of Q is inside the input (x0 and x1) and read by some
+        plane of S (its residue modulo sh is one ``reach`` has; strides past 64: all)."""
+        return u >= ulo and u < uhi and (sh > 64 or ((reach >> (u % sh)) & 1) != 0)
+
+    def _make_terms(K, VG, ACC):
+        """Device function: add K channels' terms of one cell of Q (VG consecutive y1) into
+        ``s``: gamma's (has_g), then mu (x) mu's, each array's loads issued before its first
+        sum (a warp issues in order)."""
+        ldg, ldm, ld1, KV = _LDV[VG, "cs"], _LDV[VG, "nc"], _LDV[1, "nc"], K * VG
+
+        @cuda.jit(device=True)
+        def terms(s, gptr, og, gsc, has_g, mptr, om0, om1, msc, zero):
+            if has_g:
+                gv = cuda.local.array(KV, ACC)
+                for k in range(K):
+                    y = ldg(gptr, og + k * gsc)
+                    for e in range(VG):
+                        gv[k * VG + e] = _to_acc(y[e], zero)
+                for k in range(K):
+                    for e in range(VG):
+                        s[e] += gv[k * VG + e]
+            m0 = cuda.local.array(K, ACC)
+            m1 = cuda.local.array(KV, ACC)
+            for k in range(K):
+                m0[k] = _to_acc(ld1(mptr, om0 + k * msc)[0], zero)
+                y = ldm(mptr, om1 + k * msc)
+                for e in range(VG):
+                    m1[k * VG + e] = _to_acc(y[e], zero)
+            for k in range(K):
+                for e in range(VG):
+                    s[e] += m0[k] * m1[k * VG + e]
+
+        return terms
+
+    def _make_walk(V, VG, STORE, ACC, OT):
+        """cupy's cc_walk (sizes: ``_plan.walk``, ``wk``). A block takes one (b, g), one
+        diagonal di = i1 - i0 of S's planes S[b, g, i0, :, i1, :] (or a segment of it: the
+        planes t in [t_first, t_end), at i0 = max(0, -di) + t, i1 = i0 + di) and one tile
+        of each plane (j0 in [J0, J0 + tj0), j1 in [J1, J1 + tj1)). With x0 = xs + u and
+        x1 = x0 + di*sh,
+          Q_u[y0, y1] = sum over ci of the group of gamma[b, ci, x0, y0, (ci,) x1, y1]
+                                                   + mu[b, ci, x0, y0] * mu[b, ci, x1, y1],
+          T_u[j0, j1] = sum over ji of Q_u[j0*sw + ji*dw - pw, j1*sw + ji*dw - pw],
+          S_t         = sum over ii of T_u, u = (t - t_first)*sh + ii*dh (x0, x1 inside).
+        The block walks its segment R planes of S a step. The planes Q_u that a step reads
+        first are summed from gamma and mu into dynamic shared memory, nq at a time (each
+        element of gamma the block needs read once, VG elements a load, UNROLL channels in
+        flight), then row-filtered into a ring of nslot planes of T there; each plane of
+        S is then kh reads of the ring, and c[c0] * S goes into out for every output
+        channel of the group (V elements a load and a store, UNROLL channels' loads in
+        flight), or S itself into the scratch for ``stream`` (STORE). A tile of Q keeps
+        zeros where y0 or y1 lies in the padding (written when the block starts, never
+        again), so an absent term adds nothing and NaN or Inf in mu never meets a padded
+        zero; planes with x0 or x1 in the padding are skipped. The threads of a block walk
+        each phase's items together (_items), barriers between phases. Grid: x over the
+        blocks' items, the longest diagonals first (they take longest), looping past it.
+        Shared memory (``smem`` bytes, ACC elements): nq planes of Q (hq rows of wq), the
+        ring (nslot planes of tj0 rows of tp), the group's Cog values of c."""
+        U, VT = _plan.UNROLL, 4  # VT: rows of T a thread forms at once (one column)
         UV = U * V  # a local array's size must be a constant, not an expression
+        terms_u, terms_1 = _make_terms(U, VG, ACC), _make_terms(1, VG, ACC)
+        ldo, sto = _LDV[V, "cs"], _STV[V, "" if STORE else "cs"]
 
-        def gsum(tptr, gptr, gbase, gst, has_g, mptr, mbase, mst, geo, n, zero):
-            G, Cg, W = geo[1], geo[2], geo[5]
-            HW = geo[4] * W
-            nqv = HW // V
-            gsc, msc = gst[1], mst[1]
-            use_g = has_g != 0
-            idx = cuda.grid(1)
-            while idx < n:
-                row = _div(idx, nqv)  # (b, g, x0, y0)
-                q = (idx - row * nqv) * V
-                bg = _div(row, HW)
-                p = row - bg * HW
-                b = _div(bg, G)
-                x0 = _div(p, W)
-                y0 = p - x0 * W
-                ci0 = (bg - b * G) * Cg
-                og = gbase + b * gst[0] + ci0 * gsc + x0 * gst[2] + y0 * gst[3]
-                omr = mbase + b * mst[0] + ci0 * msc + x0 * mst[2] + y0 * mst[3]
-                if V > 1:
-                    og += q
-                    omc = mbase + b * mst[0] + ci0 * msc + q
-                else:
-                    x1 = _div(q, W)
-                    og += x1 * gst[4] + (q - x1 * W) * gst[5]
-                    omc = mbase + b * mst[0] + ci0 * msc + x1 * mst[2] + (q - x1 * W) * mst[3]
-                acc = cuda.local.array(V, ACC)
-                for e in range(V):
-                    acc[e] = zero
-                ci = 0
-                while ci < Cg:
-                    m = min(U, Cg - ci)  # channels of this step
-                    mr = cuda.local.array(U, ACC)
-                    mc = cuda.local.array(UV, ACC)
-                    gv = cuda.local.array(UV, ACC)
-                    # Straight-line code: every load issued before the first is used (a
-                    # load under ``if u < m`` made the next channel's wait for it). Past the
-                    # group's last channel: that one loaded again, its terms 0 (exact: a sum
-                    # from +0 never is -0).
-                    for u in range(U):
-                        cu = min(u, m - 1)
-                        y = ldm(mptr, omc + cu * msc)
-                        r = _to_acc(mptr[omr + cu * msc], zero)
-                        mr[u] = r if u < m else zero
-                        for e in range(V):
-                            mc[u * V + e] = _to_acc(y[e], zero) if u < m else zero
-                    for u in range(U):  # gamma absent: mu's first row, read as 0
-                        y = ldg(gptr, og + min(u, m - 1) * gsc)
-                        for e in range(V):
-                            gv[u * V + e] = _to_acc(y[e], zero) if u < m and use_g else zero
-                    for u in range(U):
-                        for e in range(V):
-                            acc[e] = mr[u] * mc[u * V + e] + (acc[e] + gv[u * V + e])
-                    og += U * gsc
-                    omr += U * msc
-                    omc += U * msc
-                    ci += U
-                stt(tptr, row * HW + q, acc, 0)
-                idx += cuda.gridsize(1)
-
-        return gsum
-
-    def _make_fused(V, ACC, OT, SRC_T):
-        """One thread: V consecutive q = (i1, j1) of one p0 = (i0, j0) of one (b, g), and a
-        chunk of the group's output channels (blockIdx.z: (b, g, chunk); x: (p0, q)). It
-        forms those V values of S[b, g, p0, :] in registers, from T (SRC_T: the kh x kw box
-        filter of T, kh*kw cached loads an element) or from gamma and mu (Cg*kh*kw terms
-        an element; gamma absent: the Gram matrix of mu's patches), the terms walked as
-        one flat sequence, KU a step, every load of a step before its sums. Then it adds
-        c[c0] * S into out's channel-diagonal for each channel of its chunk, V elements a
-        load and a store, UNROLL channels' loads in flight; ``to_s``: stores S (out is
-        then S, OT the accumulation type)."""
-        # Terms a step: cupy's cc_fused KU (loads in flight for latency-bound gathers).
-        KU = (16 // V if V >= 2 else 8) if SRC_T else (max(1, 8 // V) if V >= 2 else 4)
-        U, ldn, ldo, sto = _plan.UNROLL, _LDV[1, "nc"], _LDV[V, "cs"], _STV[V, "cs"]
-        UV, KUV = U * V, KU * V  # a local array's size must be a constant
-
-        def fused(optr, obase, ost, gptr, gbase, gst, has_g, mptr, mbase, mst, cptr, cbase,
-                  cst, has_c, cval, tptr, to_s, geo, nchunk, chunk, zero):
+        def walk(optr, obase, ost, gptr, gbase, gst, has_g, mptr, mbase, mst, cptr, cbase,
+                 cst, has_c, cval, geo, wk, n, zero):
             B, G, Cg, Cog = geo[0], geo[1], geo[2], geo[3]
             H, W, Ho, Wo, kh, kw = geo[4], geo[5], geo[6], geo[7], geo[8], geo[9]
             sh, sw, ph, pw, dh, dw = geo[10], geo[11], geo[12], geo[13], geo[14], geo[15]
-            HW, HoWo = H * W, Ho * Wo
-            nqv = HoWo // V
-            nw = HoWo * nqv
-            nterm = kh * kw if SRC_T else kh * kw * Cg
-            use_g = has_g != 0
-            z = cuda.blockIdx.z
-            while z < B * G * nchunk:
-                b, g, c_first, c_end = _slice(z, nchunk, G, Cog, chunk)
-                bg = b * G + g
-                w = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-                while w < nw:
-                    p0 = _div(w, nqv)
-                    q = (w - p0 * nqv) * V
-                    i0 = _div(p0, Wo)
-                    j0 = p0 - i0 * Wo
-                    i1 = _div(q, Wo)
-                    j1 = q - i1 * Wo
-                    oo = obase + b * ost[0] + i0 * ost[2] + j0 * ost[3] + i1 * ost[4] + j1 * ost[5]
-                    x1b = cuda.local.array(V, nbt.int64)  # (x1, y1) at kernel offset (0, 0)
-                    y1b = cuda.local.array(V, nbt.int64)
-                    for e in range(V):
-                        x1b[e] = i1 * sh - ph
-                        y1b[e] = j1 * sw - pw
-                        j1 += 1
-                        if j1 == Wo:
-                            j1 = 0
-                            i1 += 1
-                    x0b = i0 * sh - ph
-                    y0b = j0 * sw - pw
-                    s = cuda.local.array(V, ACC)
-                    for e in range(V):
-                        s[e] = zero
-                    ii = ji = ci = 0  # the next term's kernel offset (and channel)
-                    t0 = 0
-                    while t0 < nterm:
-                        tv = cuda.local.array(KUV, ACC)  # T, or gamma's terms
-                        m1 = cuda.local.array(KUV, ACC)
-                        m0 = cuda.local.array(KU, ACC)
-                        present = 0  # bit u*V + e: term u is inside the input for element e
-                        for u in range(KU):
-                            x0 = x0b + ii * dh
-                            y0 = y0b + ji * dw
-                            row = (t0 + u < nterm) & (x0 >= 0) & (x0 < H) & (y0 >= 0) & (y0 < W)
-                            cig = g * Cg + ci
-                            om = mbase + b * mst[0] + cig * mst[1]
-                            og = gbase + b * gst[0] + cig * gst[1] + x0 * gst[2] + y0 * gst[3]
-                            tr = (bg * HW + x0 * W + y0) * HW
-                            if not SRC_T:
-                                m0[u] = (_to_acc(ldn(mptr, om + x0 * mst[2] + y0 * mst[3])[0],
-                                                 zero) if row else zero)
-                            for e in range(V):
-                                x1 = x1b[e] + ii * dh
-                                y1 = y1b[e] + ji * dw
-                                ok = row & (x1 >= 0) & (x1 < H) & (y1 >= 0) & (y1 < W)
-                                k = u * V + e
-                                if SRC_T:
-                                    tv[k] = ldn(tptr, tr + x1 * W + y1)[0] if ok else zero
-                                else:
-                                    present |= (1 << k) if ok else 0
-                                    tv[k] = (_to_acc(ldn(gptr, og + x1 * gst[4] + y1 * gst[5])[0],
-                                                     zero) if ok and use_g else zero)
-                                    m1[k] = (_to_acc(ldn(mptr, om + x1 * mst[2] + y1 * mst[3])[0],
-                                                     zero) if ok else zero)
-                            if SRC_T:
-                                ji += 1
-                            else:
-                                ci += 1
-                                if ci == Cg:
+            R, seglen, nseg, tj0, tj1, ntj1, ntile, nq, nslot, wq, tp = wk
+            hq = (tj0 - 1) * sw + (kw - 1) * dw + 1  # rows of a tile of Q
+            span1 = (tj1 - 1) * sw + (kw - 1) * dw + 1  # its columns that T reads
+            at_t = nq * hq * wq  # where the ring of T starts in shared memory
+            at_c = at_t + nslot * tj0 * tp  # ... and c
+            nrt = (tj0 + VT - 1) // VT  # row groups of T
+            sm = cuda.shared.array(0, ACC)
+            tid, nthr = cuda.threadIdx.x, cuda.blockDim.x
+            reach = 0  # the residues u mod sh that some ii reaches
+            for ii in range(kh if sh <= 64 else 0):
+                reach |= 1 << ((ii * dh) % sh)
+            bid = cuda.blockIdx.x
+            while bid < n:  # bid = ((rank * nseg + seg) * ntile + tile) * B*G + (b*G + g)
+                rest = _div(bid, B * G)
+                b = _div(bid - rest * B * G, G)
+                g = bid - rest * B * G - b * G
+                rs = _div(rest, ntile)  # rank * nseg + seg
+                tile = rest - rs * ntile
+                rank = _div(rs, nseg)
+                t_first = (rs - rank * nseg) * seglen
+                di = -((rank + 1) >> 1) if rank & 1 else rank >> 1  # 0, -1, 1, -2, 2, ...
+                L = Ho - abs(di)
+                if t_first < L:  # (uniform across the block)
+                    # (the block's values in 32 bits: fewer registers, ptxas spills less)
+                    t_end = _i32(min(L, t_first + seglen))
+                    J0 = _i32(_div(tile, ntj1) * tj0)
+                    J1 = _i32((tile - _div(tile, ntj1) * ntj1) * tj1)
+                    i0d = _i32(max(0, -di))
+                    dx = _i32(di * sh)
+                    xs = _i32((i0d + t_first) * sh - ph)
+                    ulo = _i32(max(0, -dx) - xs)  # [ulo, uhi): x0 and x1 in the input
+                    uhi = _i32(min(H, H - dx) - xs)
+                    # The tile of Q: rows y0 - Y0lo, columns y1 - Y1lo + off (y1 - off
+                    # a multiple of 4: aligned vectors, as cupy's).
+                    Y0lo, Y1lo = _i32(J0 * sw - pw), _i32(J1 * sw - pw)
+                    off = _i32(Y1lo & 3)
+                    y0a, y1a = _i32(max(0, Y0lo)), _i32(max(0, Y1lo) // VG * VG)
+                    nrow = _i32(min(W, Y0lo + hq) - y0a)
+                    nvec = _i32((min(W, Y1lo + span1) - y1a + VG - 1) // VG)
+                    ogb = gbase + b * gst[0] + g * Cg * gst[1]
+                    omb = mbase + b * mst[0] + g * Cg * mst[1]
+                    e = tid
+                    while e < at_t:
+                        sm[e] = zero
+                        e += nthr
+                    e = tid
+                    while e < (0 if STORE else Cog):
+                        sm[at_c + e] = (_to_acc(cptr[cbase + (g * Cog + e) * cst], zero)
+                                        if has_c else cval)
+                        e += nthr
+                    cuda.syncthreads()
+                    u_next = 0  # the first plane of Q not yet in the ring
+                    t0 = t_first
+                    while t0 < t_end:
+                        t1 = min(t_end, t0 + R)
+                        u_need = (t1 - 1 - t_first) * sh + (kh - 1) * dh
+                        while u_next <= u_need:
+                            ub = u_next
+                            nb = min(nq, u_need + 1 - ub)
+                            sb = ub % nslot
+                            u_next += nb
+                            # 1. Q_u for u in [ub, ub + nb): plane u - ub of the staging area
+                            na = nb if nrow > 0 and nvec > 0 else 0
+                            a, r, c, da, dr, dc = _items(max(nrow, 1), max(nvec, 1), tid, nthr)
+                            pa, ok = -1, False
+                            while a < na:
+                                if a != pa:
+                                    pa, ok = a, _wanted(ub + a, ulo, uhi, sh, reach)
+                                if ok:
+                                    x0 = xs + ub + a
+                                    y0, y1 = y0a + r, y1a + c * VG
+                                    og = (ogb + x0 * gst[2] + y0 * gst[3] + (x0 + dx) * gst[4]
+                                          + y1 * gst[5])
+                                    om0 = omb + x0 * mst[2] + y0 * mst[3]
+                                    om1 = omb + (x0 + dx) * mst[2] + y1 * mst[3]
+                                    s = cuda.local.array(VG, ACC)
+                                    for e in range(VG):
+                                        s[e] = zero
                                     ci = 0
-                                    ji += 1
-                            if ji == kw:
-                                ji = 0
-                                ii += 1
-                        # T is 0 where a term is absent; a gamma and mu term is skipped,
-                        # not added as 0 * mu: mu may be Inf.
-                        for u in range(KU):
-                            for e in range(V):
-                                k = u * V + e
-                                if SRC_T:
-                                    s[e] += tv[k]
-                                elif (present >> k) & 1:
-                                    s[e] = m0[u] * m1[k] + (s[e] + tv[k])
-                        t0 += KU
-                    res = cuda.local.array(V, OT)
-                    if to_s:  # S itself, stored, not added
-                        for e in range(V):
-                            res[e] = _to_elem(optr, s[e])
-                        sto(optr, oo + c_first * ost[1], res, 0)
-                    c0 = c_first
-                    while c0 < c_end and not to_s:
-                        old = cuda.local.array(UV, OT)
-                        for u in range(U):  # past the chunk: its last channel, never stored
-                            y = ldo(optr, oo + min(c0 + u, c_end - 1) * ost[1])
-                            for e in range(V):
-                                old[u * V + e] = y[e]
-                        for u in range(U):
-                            if u == 0 or c0 + u < c_end:
-                                cv = _to_acc(cptr[cbase + (c0 + u) * cst], zero) if has_c else cval
+                                    while ci + U <= Cg:
+                                        terms_u(s, gptr, og + ci * gst[1], gst[1], has_g, mptr,
+                                                om0 + ci * mst[1], om1 + ci * mst[1], mst[1],
+                                                zero)
+                                        ci += U
+                                    while ci < Cg:
+                                        terms_1(s, gptr, og + ci * gst[1], gst[1], has_g, mptr,
+                                                om0 + ci * mst[1], om1 + ci * mst[1], mst[1],
+                                                zero)
+                                        ci += 1
+                                    lc = y1 - Y1lo + off
+                                    q = (a * hq + y0 - Y0lo) * wq + lc
+                                    for e in range(VG):  # a vector across the tile's edge:
+                                        if lc + e >= 0 and lc + e < wq:  # its part inside
+                                            sm[q + e] = s[e]
+                                a, r, c = _next(a, r, c, da, dr, dc, nrow, nvec)
+                            cuda.syncthreads()
+                            # 2. T_u from Q_u, into the ring's slot u mod nslot: VT rows of
+                            # one column a thread
+                            a, r, c, da, dr, dc = _items(nrt, tj1, tid, nthr)
+                            pa, ok, slot = -1, False, 0
+                            while a < nb:
+                                if a != pa:
+                                    pa, ok, slot = a, _wanted(ub + a, ulo, uhi, sh, reach), sb + a
+                                    if slot >= nslot:
+                                        slot -= nslot
+                                if ok:
+                                    r0 = r * VT
+                                    t = cuda.local.array(VT, ACC)
+                                    for e in range(VT):
+                                        t[e] = zero
+                                    q = (a * hq + r0 * sw) * wq + c * sw + off
+                                    for _ in range(kw):
+                                        for e in range(VT):
+                                            if r0 + e < tj0:
+                                                t[e] += sm[q + e * sw * wq]
+                                        q += dw * (wq + 1)
+                                    q = at_t + (slot * tj0 + r0) * tp + c
+                                    for e in range(VT):
+                                        if r0 + e < tj0:
+                                            sm[q + e * tp] = t[e]
+                                a, r, c = _next(a, r, c, da, dr, dc, nrt, tj1)
+                            cuda.syncthreads()
+                        # 3. S_t for t in [t0, t1), and out
+                        s0 = (t0 - t_first) * sh % nslot
+                        a, r, c, da, dr, dc = _items(tj0, tj1 // V, tid, nthr)
+                        while a < t1 - t0:
+                            j0, j1 = J0 + r, J1 + c * V
+                            if j0 < Wo and j1 < Wo:
+                                s = cuda.local.array(V, ACC)
                                 for e in range(V):
-                                    res[e] = _to_elem(optr, _to_acc(old[u * V + e], zero)
-                                                      + cv * s[e])
-                                sto(optr, oo + (c0 + u) * ost[1], res, 0)
-                        c0 += U
-                    w += cuda.gridDim.x * cuda.blockDim.x
-                z += cuda.gridDim.z
+                                    s[e] = zero
+                                sl = s0 + a * sh
+                                if sl >= nslot:
+                                    sl -= nslot
+                                u = (t0 + a - t_first) * sh
+                                for _ in range(kh):
+                                    if u >= ulo and u < uhi:
+                                        q = at_t + (sl * tj0 + r) * tp + c * V
+                                        for e in range(V):
+                                            s[e] += sm[q + e]
+                                    u += dh
+                                    sl += dh
+                                    if sl >= nslot:
+                                        sl -= nslot
+                                i0 = i0d + t0 + a
+                                oo = (obase + b * ost[0] + i0 * ost[2] + j0 * ost[3]
+                                      + (i0 + di) * ost[4] + j1 * ost[5])
+                                res = cuda.local.array(V, OT)
+                                if STORE:  # S (out is the scratch, OT the accumulation type)
+                                    for e in range(V):
+                                        res[e] = s[e]
+                                    sto(optr, oo + g * ost[1], res, 0)
+                                k = 0
+                                while k < (0 if STORE else Cog):  # UNROLL channels a pass
+                                    old = cuda.local.array(UV, OT)
+                                    for w in range(U):
+                                        if k + w < Cog:
+                                            y = ldo(optr, oo + (g * Cog + k + w) * ost[1])
+                                            for e in range(V):
+                                                old[w * V + e] = y[e]
+                                    for w in range(U):
+                                        if k + w < Cog:
+                                            cv = sm[at_c + k + w]
+                                            for e in range(V):
+                                                res[e] = _to_elem(optr, _to_acc(
+                                                    old[w * V + e], zero) + cv * s[e])
+                                            sto(optr, oo + (g * Cog + k + w) * ost[1], res, 0)
+                                    k += U
+                            a, r, c = _next(a, r, c, da, dr, dc, tj0, tj1 // V)
+                        cuda.syncthreads()  # before the next step's T reuses the ring
+                        t0 += R
+                bid += cuda.gridDim.x
 
-        return fused
+        return walk
 
     def _make_stream(V, ACC, OT):
         """out[b, c0] += c[c0] * S[b, g(c0)] in address order: per (b, c0) (blockIdx.z),
@@ -580,157 +632,6 @@ if _IMPORT_ERROR is None:
                 z += cuda.gridDim.z
 
         return stream
-
-    def _make_planes(V, ACC, OT, VG):
-        """cupy's cc_planes (``_plan.planes``): S from gamma and mu through shared memory,
-        no T. A plane S[b, g, i0, :, i1, :] is the sum over ii of a diagonal kw-term box
-        filter of one plane P[x0, :, x1, :] of the group's channel sum of gamma + mu (x) mu
-        (x0 = i0*sh + ii*dh - ph, x1 = x0 + (i1 - i0)*sh). A block (blockIdx.x: a diagonal
-        i1 - i0 and a run of ``runp`` planes along it; z: (b, g, chunk)) sums the run's
-        nu = sh*(runp-1) + dh*(kh-1) + 1 planes of P once each into dynamic shared memory
-        (a plane: Wp rows y0 + pw, ``wq`` columns y1 + pw), VG elements of gamma and mu
-        along y1 a load. The cells in the padding are zeroed when the block starts and never
-        written, so an absent term adds nothing (NaN/Inf in mu never meets a padded zero).
-        Then a thread forms V consecutive j1 of a row of S from kh*kw reads of shared memory
-        each and adds c[c0] * S into out for the chunk's channels (the first channel's out
-        loaded before S is formed, then as in fused, UNROLL channels' loads in flight)."""
-        U, ldn, ldg = _plan.UNROLL, _LDV[1, "nc"], _LDV[VG, "nc"]
-        ldo, sto = _LDV[V, "cs"], _STV[V, "cs"]
-        UV = U * V  # a local array's size must be a constant
-
-        def planes(optr, obase, ost, gptr, gbase, gst, has_g, mptr, mbase, mst, cptr, cbase,
-                   cst, has_c, cval, geo, runp, wq, nchunk, chunk, zero):
-            B, G, Cg, Cog = geo[0], geo[1], geo[2], geo[3]
-            H, W, Ho, Wo, kh, kw = geo[4], geo[5], geo[6], geo[7], geo[8], geo[9]
-            sh, sw, ph, pw, dh, dw = geo[10], geo[11], geo[12], geo[13], geo[14], geo[15]
-            nu = sh * (runp - 1) + dh * (kh - 1) + 1  # planes of P a run reads
-            Wp = sw * (Wo - 1) + dw * (kw - 1) + 1  # the columns y + pw a row of S spans
-            PP = Wp * wq
-            nqv = Wo // V
-            per_plane = Wo * nqv
-            nrun = (Ho + runp - 1) // runp
-            nrow = min(W, Wp - pw)  # the rows y0 (and columns y1) read, inside the input
-            nvec = (nrow + VG - 1) // VG
-            per_u = nrow * nvec
-            use_g = has_g != 0
-            tid, nthr = cuda.threadIdx.x, cuda.blockDim.x
-            P = cuda.shared.array(0, ACC)
-            e = tid
-            while e < nu * PP:  # the padding: zero for the whole block
-                P[e] = zero
-                e += nthr
-            nx = (2 * Ho - 1) * nrun
-            z = cuda.blockIdx.z
-            while z < B * G * nchunk:
-                b, g, c_first, c_end = _slice(z, nchunk, G, Cog, chunk)
-                og_b = gbase + b * gst[0] + g * Cg * gst[1]
-                om_b = mbase + b * mst[0] + g * Cg * mst[1]
-                xb = cuda.blockIdx.x
-                while xb < nx:
-                    d = _div(xb, nrun)
-                    di = d - (Ho - 1)  # the diagonal i1 - i0
-                    t0 = (xb - d * nrun) * runp
-                    L = Ho - abs(di)  # planes of S on it
-                    if t0 < L:  # (uniform across the block)
-                        nt = min(L - t0, runp)
-                        i0a = t0 + (-di if di < 0 else 0)
-                        i1a = t0 + (di if di > 0 else 0)
-                        x0a = i0a * sh - ph
-                        dx = (i1a - i0a) * sh
-                        cuda.syncthreads()  # the previous run's reads of P are done
-                        n = tid
-                        while n < nu * per_u:
-                            u, y0, y1 = _split(n, per_u, nvec, VG)
-                            used = False  # plane u is read by one of the run's nt planes
-                            for ii in range(kh):
-                                k = u - ii * dh
-                                if k >= 0:
-                                    kq = _div(k, sh)
-                                    if kq * sh == k and kq < nt:
-                                        used = True
-                            if used:
-                                x0 = x0a + u
-                                x1 = x0 + dx
-                                s = cuda.local.array(VG, ACC)
-                                for e in range(VG):
-                                    s[e] = zero
-                                if (x0 >= 0) & (x0 < H) & (x1 >= 0) & (x1 < H):
-                                    og = (og_b + x0 * gst[2] + y0 * gst[3] + x1 * gst[4]
-                                          + y1 * gst[5])
-                                    om0 = om_b + x0 * mst[2] + y0 * mst[3]
-                                    om1 = om_b + x1 * mst[2] + y1 * mst[3]
-                                    for _ in range(Cg):
-                                        m0 = _to_acc(ldn(mptr, om0)[0], zero)
-                                        m1 = ldg(mptr, om1)
-                                        if use_g:
-                                            gv = ldg(gptr, og)
-                                            for e in range(VG):
-                                                s[e] = m0 * _to_acc(m1[e], zero) + (
-                                                    s[e] + _to_acc(gv[e], zero))
-                                        else:
-                                            for e in range(VG):
-                                                s[e] = m0 * _to_acc(m1[e], zero) + s[e]
-                                        og += gst[1]
-                                        om0 += mst[1]
-                                        om1 += mst[1]
-                                pp = u * PP + (y0 + pw) * wq + y1 + pw
-                                for e in range(VG):
-                                    P[pp + e] = s[e]
-                            n += nthr
-                        cuda.syncthreads()
-                        w = tid
-                        while w < nt * per_plane:
-                            tt, j0, j1 = _split(w, per_plane, nqv, V)
-                            oo = (obase + b * ost[0] + (i0a + tt) * ost[2] + j0 * ost[3]
-                                  + (i1a + tt) * ost[4] + j1 * ost[5])
-                            first = ldo(optr, oo + c_first * ost[1])  # before S is formed
-                            s = cuda.local.array(V, ACC)
-                            for e in range(V):
-                                s[e] = zero
-                            for ii in range(kh):
-                                pr = (tt * sh + ii * dh) * PP + j0 * sw * wq + j1 * sw
-                                for ji in range(kw):
-                                    q = pr + ji * dw * (wq + 1)
-                                    for e in range(V):
-                                        s[e] += P[q + e * sw]
-                            res = cuda.local.array(V, OT)
-                            cv = _to_acc(cptr[cbase + c_first * cst], zero) if has_c else cval
-                            for e in range(V):
-                                res[e] = _to_elem(optr, _to_acc(first[e], zero) + cv * s[e])
-                            sto(optr, oo + c_first * ost[1], res, 0)
-                            c0 = c_first + 1
-                            while c0 < c_end:  # the chunk's other channels, as in fused
-                                old = cuda.local.array(UV, OT)
-                                for u in range(U):  # past the chunk: its last, never stored
-                                    y = ldo(optr, oo + min(c0 + u, c_end - 1) * ost[1])
-                                    for e in range(V):
-                                        old[u * V + e] = y[e]
-                                for u in range(U):
-                                    if u == 0 or c0 + u < c_end:
-                                        cv = (_to_acc(cptr[cbase + (c0 + u) * cst], zero)
-                                              if has_c else cval)
-                                        for e in range(V):
-                                            res[e] = _to_elem(optr, _to_acc(old[u * V + e], zero)
-                                                              + cv * s[e])
-                                        sto(optr, oo + (c0 + u) * ost[1], res, 0)
-                                c0 += U
-                            w += nthr
-                    xb += cuda.gridDim.x
-                z += cuda.gridDim.z
-
-        return planes
-
-    def _make_fused_s(V, ACC, OT):
-        return _make_fused(V, ACC, OT, 0)
-
-    def _make_fused_t(V, ACC, OT):
-        return _make_fused(V, ACC, OT, 1)
-
-    def _make_planes_1(V, ACC, OT):
-        return _make_planes(V, ACC, OT, 1)
-
-    def _make_planes_vg(V, ACC, OT):  # 16 bytes of gamma and mu (out's dtype) a load
-        return _make_planes(V, ACC, OT, 16 // (OT.bitwidth // 8))
 
 
 # ---------------------------------------------------------------------------------------
@@ -890,7 +791,7 @@ _lock = threading.Lock()
 _compiled: dict = {}  # (kernel name, element types, acc, V) -> Numba's dispatcher
 _streams: dict = {}  # stream handle -> the driver binding's CUstream (a non-owning wrapper)
 _numba_streams: dict = {}  # stream handle -> what Numba's kernel call takes for it
-_capacities: dict = {}  # device id -> threads resident on it at once
+_multiprocessors: dict = {}  # device id -> its multiprocessor count
 _plans: dict = {}  # (device id, Problem.layout_key()) -> _Plan
 _held: dict = {}  # device id -> deque of (event, scratch) of generic arrays' calls (_hold)
 _held_lock = threading.Lock()  # not _lock: that one is held while a kernel compiles
@@ -904,18 +805,12 @@ def _signature(name, elems, acc):
     ptr = [nbt.CPointer(getattr(nbt, e)) for e in elems]
     t6, t4, geo = nbt.UniTuple(i64, 6), nbt.UniTuple(i64, 4), nbt.UniTuple(i64, 16)
     a_ptr = nbt.CPointer(A)
-    if name == "gsum":  # T, gamma, mu
-        args = (a_ptr, ptr[0], i64, t6, i64, ptr[1], i64, t4, geo, i64, A)
-    elif name.startswith("fused"):  # out, gamma, mu, c (fused_t: out, c; T's type for the rest)
-        o, g, m, c = (ptr[0], a_ptr, a_ptr, ptr[1]) if name == "fused_t" else ptr
-        args = (o, i64, t6, g, i64, t6, i64, m, i64, t4, c, i64, i64, i64, A, a_ptr, i64, geo,
-                i64, i64, A)
+    if name.startswith("walk"):  # out (walk_s: S), gamma, mu, c
+        o, g, m, c = ptr
+        args = (o, i64, t6, g, i64, t6, i64, m, i64, t4, c, i64, i64, i64, A, geo,
+                nbt.UniTuple(i64, 11), i64, A)
     elif name == "stream":  # out, c
         args = (ptr[0], i64, t6, ptr[1], i64, i64, i64, A, a_ptr, geo, i64, i64, A)
-    elif name.startswith("planes"):  # out, gamma, mu, c
-        o, g, m, c = ptr
-        args = (o, i64, t6, g, i64, t6, i64, m, i64, t4, c, i64, i64, i64, A, geo, i64, i64,
-                i64, i64, A)
     elif name == "vjp_gamma":  # grad_S, grad_gamma
         args = (ptr[0], i64, t6, ptr[1], i64, t6, geo, A)
     else:  # vjp_mu: grad_S, mu, grad_mu
@@ -923,27 +818,32 @@ def _signature(name, elems, acc):
     return nbt.void(*args)
 
 
-#: The forward kernels' factories, called as factory(V, ACC, OT): vector width, the
-#: accumulation type and the first pointer's element type (compile-time constants).
-_FACTORIES = {"gsum": "_make_gsum", "fused": "_make_fused_s", "fused_t": "_make_fused_t",
-              "stream": "_make_stream", "planes": "_make_planes_1", "planes_vg": "_make_planes_vg"}
-
-
 def _kernel_function(name, elems, acc, V=1):
     """The Python function of kernel ``name`` before Numba compiles it (also what
-    tests/_compile_numba_cuda.py compiles for sm_90 without a GPU)."""
-    if name in _FACTORIES:
-        return globals()[_FACTORIES[name]](V, getattr(nbt, acc), getattr(nbt, elems[0]))
+    tests/_compile_numba_cuda.py compiles for sm_90 without a GPU). The walk's names:
+    "walk" adds into out, "walk_s" stores S; "_vg16", "_vg32": gamma and mu read 16 or 32
+    bytes a load (else one element)."""
+    A, OT = getattr(nbt, acc), getattr(nbt, elems[0])
+    if name.startswith("walk"):
+        vg_bytes = int(name.rsplit("_vg", 1)[1]) if "_vg" in name else 0
+        VG = max(1, vg_bytes // np.dtype(elems[2]).itemsize)
+        return _make_walk(V, VG, name.startswith("walk_s"), A, OT)
+    if name == "stream":
+        return _make_stream(V, A, OT)
     return {"vjp_gamma": _vjp_gamma_kernel, "vjp_mu": _vjp_mu_kernel}[name]
+
+
+#: Blocks a multiprocessor ptxas sizes the walk's registers for (cupy's WALK_BLOCKS): 2,
+#: 128 registers a thread. Numba's walk would take about 180-250 (64-bit arithmetic,
+#: 16-bit values a register each); at 128 ptxas spills some, at 80 (cupy's 3) several
+#: times as much (docs/numba_cuda.md, "Registers"). Not timed yet.
+WALK_BLOCKS = 2
 
 
 def _launch_bounds(name):
     """Numba's ``launch_bounds`` of kernel ``name``: (threads a block, blocks a
-    multiprocessor), the registers ptxas may use; cupy's: 2 blocks for the direct
-    source, 3 from T (more spills); planes: 4 (64 registers), as cc_planes'."""
-    if name.startswith("planes"):
-        return (_plan.THREADS, 4)
-    return (_plan.THREADS, 2 if name.startswith("fused") else 1)
+    multiprocessor), the registers ptxas may use."""
+    return (_plan.THREADS, WALK_BLOCKS if name.startswith("walk") else 1)
 
 
 def _kernel(name, elems, acc, V=1):
@@ -965,17 +865,12 @@ def _kernel(name, elems, acc, V=1):
     return k
 
 
-def _capacity(dev_id):
-    """Threads resident on the device at once (what _plan.tiling fills)."""
-    cap = _capacities.get(dev_id)
-    if cap is None:
-        if SIM:
-            cap = 64  # a pretended small device: tiny problems split channels into chunks
-        else:
-            d = cuda.get_current_device()
-            cap = d.MULTIPROCESSOR_COUNT * d.MAX_THREADS_PER_MULTIPROCESSOR
-        _capacities[dev_id] = cap
-    return cap
+def _sms(dev_id):
+    """The device's multiprocessors (what _plan.walk fills; the simulator pretends one)."""
+    n = _multiprocessors.get(dev_id)
+    if n is None:
+        n = _multiprocessors[dev_id] = 1 if SIM else cuda.get_current_device().MULTIPROCESSOR_COUNT
+    return n
 
 
 def _dims(grid, block):
@@ -989,11 +884,6 @@ def _dims(grid, block):
     if n < MIN_BLOCKS:
         grid = (grid[0] * -(-MIN_BLOCKS // n),) + tuple(grid[1:])
     return tuple(grid), tuple(block)
-
-
-def _grid1(n, block=_plan.THREADS):
-    """1-D (grid, block) for ``n`` work items, a thread each."""
-    return (min(-(-n // block), _plan.MAX_GRID_X),), (block,)
 
 
 def _sim_pointer(a):
@@ -1015,9 +905,9 @@ def _sim_pointer(a):
 
 
 def _dummy(elem):
-    """A pointer for an argument a launch never reads (gamma None, c a number, T or S where
-    the plan has none). On the device any address will do; the simulator copies each
-    array argument back after a launch, so there it must alias no real one."""
+    """A pointer for an argument a launch never reads (c a number, or where S is stored).
+    On the device any address will do; the simulator copies each array argument back
+    after a launch, so there it must alias no real one."""
     return np.zeros(1, np.uint16 if elem == "uint16" else elem) if SIM else 0
 
 
@@ -1165,8 +1055,8 @@ class _Slot:
 
 
 #: The per-call arguments of a plan's launches, in the order _run gives their values:
-#: out, gamma, mu, c, S, T, and the number c.
-_OUT, _GAMMA, _MU, _C, _S, _T, _CVAL = (_Slot(i) for i in range(7))
+#: out, gamma, mu, c, S, and the number c.
+_OUT, _GAMMA, _MU, _C, _S, _CVAL = (_Slot(i) for i in range(6))
 
 
 class _Launch:
@@ -1186,20 +1076,27 @@ class _Launch:
         through Numba's kernel call (one signature: no type resolution)."""
         args = tuple([values[a.i] if type(a) is _Slot else a for a in self.args])
         if SIM:
-            self.kernel[self.grid, self.block, 0, self.smem](*args)
+            # The simulator's block manager polls its threads while holding the GIL, so
+            # each cuda.syncthreads() waits out a thread switch interval (5 ms by
+            # default): shortened for the launch (the walk's barriers, 10x faster here).
+            interval = sys.getswitchinterval()
+            sys.setswitchinterval(min(interval, 5e-5))
+            try:
+                self.kernel[self.grid, self.block, 0, self.smem](*args)
+            finally:
+                sys.setswitchinterval(interval)
         else:
             self.kernel[self.grid, self.block, stream, self.smem](*args)
 
 
 class _Plan:
     """The launches of one call signature and the scratch they need: ``scratch``
-    elements of the accumulation type, S first (where it goes through memory; padded to
-    256 bytes), T ``t_offset`` bytes in (where S is formed from it)."""
+    elements of the accumulation type (S, where it goes through memory; else 0)."""
 
-    __slots__ = ("launches", "scratch", "t_offset")
+    __slots__ = ("launches", "scratch")
 
-    def __init__(self, launches, scratch=0, t_offset=0):
-        self.launches, self.scratch, self.t_offset = launches, scratch, t_offset
+    def __init__(self, launches, scratch=0):
+        self.launches, self.scratch = launches, scratch
 
 
 def _current_context():
@@ -1214,23 +1111,23 @@ def _widths(itemsize):
 
 
 def _make_plan(p, dev_id):
-    """The launches of one call signature (cupy's plan, through ``_plan``'s functions):
-    kernels, launch sizes and every argument but the addresses and the number c."""
+    """The launches of one call signature, as cupy's ``CupyBackend._plan`` chooses them
+    (the same vector widths, STREAM_BYTES rule and ``_plan.walk`` sizes): kernels, launch
+    sizes and every argument but the addresses and the number c."""
     acc = p.acc
     zero = np.dtype(acc).type(0) if SIM else 0.0
-    B, G, H, W, Ho, Wo, kh, kw = p.B, p.G, p.H, p.W, p.Ho, p.Wo, p.kh, p.kw
-    Cg, Cog, HW, HoWo = p.Ci // G, p.Co // G, p.H * p.W, p.Ho * p.Wo
-    oi, mi = p.out_info, p.mu_info
+    B, G, W, Ho, Wo = p.B, p.G, p.W, p.Ho, p.Wo
+    Cog, HoWo = p.Co // G, p.Ho * p.Wo
+    oi, gi, mi = p.out_info, p.gamma_info, p.mu_info
     out_t, mu_t = _PTR_TYPE[oi.dtype], _PTR_TYPE[mi.dtype]
     _, obase, ost = _pointer(p.out, oi)  # base and strides (addresses: per call)
     ost = diag_strides(ost, p.full_out)
     _, mbase, mst = _pointer(p.mu, mi)
-    if p.gamma is None:
-        # gamma absent: its loads read mu[0, ..., 0] (a valid, cached address), as 0
+    if gi is None:  # gamma absent: never read (has_g 0); mu's address stands in
         gamma_t, gsrc, has_g, gbase, gst = mu_t, _MU, 0, mbase, (0,) * 6
     else:
-        gamma_t, gsrc, has_g = _PTR_TYPE[p.gamma_info.dtype], _GAMMA, 1
-        _, gbase, gst = _pointer(p.gamma, p.gamma_info)
+        gamma_t, gsrc, has_g = _PTR_TYPE[gi.dtype], _GAMMA, 1
+        _, gbase, gst = _pointer(p.gamma, gi)
         gst = diag_strides(gst, p.full_gamma)
     if p.c_info is None:
         c_t, csrc, has_c, cbase, cst = out_t, _dummy(out_t), 0, 0, 0
@@ -1238,66 +1135,52 @@ def _make_plan(p, dev_id):
         c_t, csrc, has_c = _PTR_TYPE[p.c_info.dtype], _C, 1
         _, cbase, cst = _pointer(p.c, p.c_info)
         cst = cst[0] if cst else 0  # a 0-d c broadcasts: stride 0
-    geo = (B, G, Cg, Cog, H, W, Ho, Wo, kh, kw, p.sh, p.sw, p.ph, p.pw, p.dh, p.dw)
-    capacity = _capacity(dev_id)
+    geo = (B, G, p.Ci // G, Cog, p.H, W, Ho, Wo, p.kh, p.kw, p.sh, p.sw, p.ph, p.pw, p.dh,
+           p.dw)
     a_size, o_size = ITEMSIZE[acc], ITEMSIZE[oi.dtype]
-    # out's vector width along its (i1, j1) plane (1: any strides).
-    v = vector_width(o_size, HoWo, ost[4:], (Ho, Wo), ost[:4], oi.ptr)
-    src_t = not _plan.direct_source(B, G, Cg, H, W, Ho, Wo, kh, kw)
-    # S through memory, then out streamed: out's rows must be contiguous.
-    stream = contiguous(ost[4:], (Ho, Wo)) and _plan.stream_s(Cog, Ho, Wo)
-    n_t = B * G * HW * HW if src_t else 0
-    s_pad = -(-B * G * HoWo * HoWo * a_size // 256) * 256 // a_size if stream else 0
-    launches = []
-
-    def add(name, elems, V, dims, args, smem=0):
-        launches.append(_Launch(name, elems, acc, V, *dims, args, smem))
-
-    pl = (_plan.planes_for(p, ost, gst, mst, a_size, capacity)
-          if src_t and _plan.by_planes(Cog) else None)
-    if pl is not None:  # S from gamma through shared memory (cupy's cc_planes), in place of T
-        add("planes_vg" if pl.VG > 1 else "planes", (out_t, gamma_t, mu_t, c_t), pl.V,
-            (pl.grid, (_plan.THREADS,)),
-            (_OUT, obase, ost, gsrc, gbase, gst, has_g, _MU, mbase, mst, csrc, cbase, cst,
-             has_c, _CVAL, geo, pl.runp, pl.wq, pl.nchunk, pl.chunk, zero), pl.smem)
-        return _Plan(launches)
-    if src_t:  # T, V elements of gamma (and mu) a load
-        if p.gamma is None:
-            V = vector_width(ITEMSIZE[mi.dtype], HW, mst[2:], (H, W), mst[:2], mi.ptr)
-        else:
-            V = vector_width(ITEMSIZE[p.gamma_info.dtype], HW, gst[4:], (H, W), gst[:4],
-                             p.gamma_info.ptr, ((ITEMSIZE[mi.dtype], mst[2:], mst[:2], mi.ptr),))
-        add("gsum", (gamma_t, mu_t), V, _grid1(n_t // V),
-            (_T, gsrc, gbase, gst, has_g, _MU, mbase, mst, geo, n_t // V, zero))
-
-    def fused(o_t, V, t, osrc, obase_, ost_, csrc_, cbase_, cst_, has_c_, c_t_, geo_, to_s):
-        if src_t:  # gamma and mu unread
-            name, elems, src = "fused_t", (o_t, c_t_), (_dummy(acc), 0, (0,) * 6, 0,
-                                                       _dummy(acc), 0, (0,) * 4)
-        else:
-            name, elems = "fused", (o_t, gamma_t, mu_t, c_t_)
-            src = (gsrc, gbase, gst, has_g, _MU, mbase, mst)
-        add(name, elems, V, (t.grid, t.block),
-            (osrc, obase_, ost_, *src, csrc_, cbase_, cst_, has_c_, _CVAL,
-             _T if src_t else _dummy(acc), to_s, geo_, t.nchunk, t.chunk, zero))
-
+    # gamma and mu VG elements (16 bytes, or 32: _plan.widen) along a row y1 a load, where
+    # they share a dtype and the layout allows; else one.
+    vg, in_size = 1, ITEMSIZE[mi.dtype]
+    if gi is None or gi.dtype == mi.dtype:
+        mu_row = (in_size, (mst[3],), mst[:3], mi.ptr)
+        vg = (vector_width(in_size, W, (gst[5],), (W,), gst[:5], gi.ptr, (mu_row,)) if gi
+              else vector_width(in_size, W, (mst[3],), (W,), mst[:3], mi.ptr))
+        vg = _plan.widen(vg, in_size, W) if vg * in_size == 16 else 1
+    # S through memory where many output channels share it and out's rows (i1, j1) are
+    # contiguous (stream streams them); else c * S straight into out, V elements along j1
+    # a load (up to 32 bytes: _plan.widen), and VG > 1 only where gamma and mu have out's
+    # dtype (as cupy's families).
+    stream = Cog * o_size >= _plan.STREAM_BYTES and contiguous(ost[4:], (Ho, Wo))
+    if stream:
+        v = _plan.widen(max(w for w in _widths(a_size) if Wo % w == 0), a_size, Wo)
+    else:
+        v = _plan.widen(vector_width(o_size, Wo, (ost[5],), (Wo,), ost[:5], oi.ptr), o_size, Wo)
+        vg = vg if mi.dtype == oi.dtype else 1
+    wk = _plan.walk(B, G, Ho, Wo, p.kh, p.kw, p.sh, p.sw, p.dh, p.dw, v, a_size,
+                    0 if stream else Cog, _sms(dev_id))
+    sizes = (wk.R, wk.seglen, wk.nseg, wk.tj0, wk.tj1, wk.ntj1, wk.ntile, wk.nq, wk.nslot,
+             wk.wq, wk.tp)
+    inputs = (gsrc, gbase, gst, has_g, _MU, mbase, mst)
+    name = "walk" + ("_s" if stream else "") + (f"_vg{vg * in_size}" if vg > 1 else "")
     if not stream:
-        fused(out_t, v, _plan.tiling(B, G, Cog, Ho, Wo, v, capacity), _OUT, obase, ost, csrc,
-              cbase, cst, has_c, c_t, geo, 0)
-        return _Plan(launches, n_t, 0)
-    # The fused kernel writes S[b, g] (contiguous, one "channel" a group, c unread), then
-    # stream adds c[c0] * S into out, row by row.
-    vs = max(w for w in _widths(a_size) if HoWo % w == 0)
+        return _Plan([_Launch(name, (out_t, gamma_t, mu_t, c_t), acc, v, wk.grid,
+                              (_plan.THREADS,), (_OUT, obase, ost, *inputs, csrc, cbase, cst,
+                                                 has_c, _CVAL, geo, sizes, wk.n, zero),
+                              wk.smem)])
+    # walk stores S[b, g] (contiguous: the layout of a diagonal out with one channel a
+    # group, c unread), then stream adds c[c0] * S into out, a row a (b, c0) block where
+    # that block is contiguous, else a row a (i0, j0).
     s_st = (G * HoWo * HoWo, HoWo * HoWo, Wo * HoWo, HoWo, Wo, 1)
-    fused(acc, vs, _plan.tiling(B, G, 1, Ho, Wo, vs, capacity), _S, 0, s_st, _dummy(acc), 0,
-          0, 0, acc, geo[:3] + (1,) + geo[4:], 1)
+    walk = _Launch(name, (acc, gamma_t, mu_t, acc), acc, v, wk.grid, (_plan.THREADS,),
+                   (_S, 0, s_st, *inputs, _dummy(acc), 0, 0, 0, zero, geo, sizes, wk.n,
+                    zero), wk.smem)
     rows = 1 if contiguous(ost[2:], (Ho, Wo, Ho, Wo)) else HoWo
     seg = HoWo * HoWo // rows
-    v3 = v if rows > 1 else vector_width(o_size, seg, ost[2:], (Ho, Wo, Ho, Wo), ost[:2],
-                                         oi.ptr)
-    add("stream", (out_t, c_t), v3, _plan.stream_grid(B * G * Cog, rows, seg // v3),
-        (_OUT, obase, ost, csrc, cbase, cst, has_c, _CVAL, _S, geo, rows, seg, zero))
-    return _Plan(launches, s_pad + n_t, s_pad * a_size)
+    v3 = (vector_width(o_size, seg, ost[2:], (Ho, Wo, Ho, Wo), ost[:2], oi.ptr) if rows == 1
+          else vector_width(o_size, seg, ost[4:], (Ho, Wo), ost[:4], oi.ptr))
+    add = _Launch("stream", (out_t, c_t), acc, v3, *_plan.stream_grid(B * p.Co, rows, seg // v3),
+                  (_OUT, obase, ost, csrc, cbase, cst, has_c, _CVAL, _S, geo, rows, seg, zero))
+    return _Plan([walk, add], B * G * HoWo * HoWo)
 
 
 def _launch_plan(plan, kind, handle, dev_id, acc, optr, gptr, mptr, cptr, c_value):
@@ -1305,14 +1188,13 @@ def _launch_plan(plan, kind, handle, dev_id, acc, optr, gptr, mptr, cptr, c_valu
     addresses of out, gamma, mu and c (0 for an absent gamma or a number c), and c_value,
     the number c. Scratch from the arrays' library (_workspace)."""
     stream = _numba_stream(handle)
-    buf, sptr, tptr = None, 0, 0
+    buf, sptr = None, 0
     cai = kind == "cai"
     if plan.scratch:
         if cai:
             _release(dev_id)
         buf, sptr = _workspace(kind, dev_id, plan.scratch, acc, handle, stream)
-        tptr = sptr + plan.t_offset
-    values = (optr, gptr, mptr, cptr, sptr, tptr, float(c_value))
+    values = (optr, gptr, mptr, cptr, sptr, float(c_value))
     try:
         for launch in plan.launches:
             launch(stream, values)
@@ -1378,13 +1260,11 @@ class NumbaCudaBackend(Backend):
 
     def _run(self, p, dev_id):
         plan = self._plan_of(p, dev_id)
-        if SIM:  # numpy views of the memory; scratch a numpy buffer, S then T
+        if SIM:  # numpy views of the memory; scratch (S) a numpy buffer
             optr, mptr = _sim_pointer(p.out)[0], _sim_pointer(p.mu)[0]
             gptr = None if p.gamma is None else _sim_pointer(p.gamma)[0]
             cptr = None if p.c is None else _sim_pointer(p.c)[0]
-            buf = np.zeros(max(plan.scratch, 1), p.acc)
-            t0 = plan.t_offset // ITEMSIZE[p.acc]
-            values = (optr, gptr, mptr, cptr, buf[:max(t0, 1)], buf[t0:],
+            values = (optr, gptr, mptr, cptr, np.zeros(max(plan.scratch, 1), p.acc),
                       np.dtype(p.acc).type(p.c_value))
             for launch in plan.launches:
                 launch(None, values)
