@@ -70,6 +70,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from .._arrays import ITEMSIZE as _ITEMSIZE, diag_strides
+from .. import _registry
 from .._registry import Backend
 
 # ---------------------------------------------------------------------------------------
@@ -1168,15 +1169,26 @@ def _accumulate_at(prms, optr, gptr, mptr, cptr, c_value, wptr=None):
     _call(_parallel, _serial, prm, acc(c_value), proto)
 
 
+def _far_padding(p) -> bool:
+    """A padding past the input and the kernel's span on either axis: the walk's buffers
+    are indexed by padded position, so such a call (a few windows touch the input, if any)
+    goes to the numpy reference, which reads the input in place."""
+    return p.ph > p.H + p.dh * (p.kh - 1) or p.pw > p.W + p.dw * (p.kw - 1)
+
+
 class NumbaBackend(Backend):
     name = "numba"
     device = "cpu"
     dtypes = frozenset({"float16", "bfloat16", "float32", "float64"})
 
     def accumulate(self, p) -> None:
+        if _far_padding(p):
+            return _registry.get("numpy").accumulate(p)
         self._launch(p, p.out_info.ptr)
 
     def accumulate_apart(self, p, source) -> None:
+        if _far_padding(p):
+            return _registry.get("numpy").accumulate_apart(p, source)
         # source has out's strides (the contract): each element is read there, written to out
         self._launch(p, source.__array_interface__["data"][0], p.out_info.ptr)
 
@@ -1189,6 +1201,8 @@ class NumbaBackend(Backend):
         """The launcher of p's signature for the front end's fast path (Backend.bind):
         the kernel's parameters are derived once; a call puts its addresses in. (It must
         not keep p, which holds the first call's arrays.)"""
+        if _far_padding(p):
+            return None
         prms = _params(p)
 
         def run(out, gamma, mu, c, optr, gptr, mptr, cptr, c_value):
