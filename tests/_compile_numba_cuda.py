@@ -5,9 +5,9 @@ process of its own without Numba's CUDA simulator (CI runs the kernels under the
 simulator, which executes their Python and never types or compiles them). Numba asks
 the current device for its compute capability while it compiles; this pretends an sm_90
 one. Each kernel variant of :func:`variants`
-(every element type at every pointer of every kernel, with each accumulation dtype and
-vector width the plans pair it with; ``--all``: every variant of :func:`requests`, all
-the plans can ask for) goes through Numba and NVVM to PTX and through nvJitLink (ptxas)
+(every element type at every pointer of every kernel with each accumulation dtype, and
+every vector width; ``--all``: every variant of :func:`requests`, all the plans can ask
+for) goes through Numba and NVVM to PTX and through nvJitLink (ptxas)
 to sm_90 code, a process a core. Prints one line a variant (with ptxas's registers and
 spill stores a thread) and a count. Exits 1 on the first failure, and
 77 when the compilers are not installed or this numba-cuda cannot compile without a
@@ -73,30 +73,32 @@ def requests():
     return out
 
 
+def features(r):
+    """What compiling request ``r`` checks: each pointer's element type converted to and
+    from its accumulation dtype (_to_acc, _store), and out's (S's) vector access of width
+    V, for its element type and for the accumulation dtype."""
+    name, elems, acc, V = r
+    return ({(name, i, t, acc) for i, t in enumerate(elems)}
+            | {(name, "out", elems[0], V), (name, "acc", acc, V)})
+
+
 def variants(every=False):
-    """The variants compiled (``every``: all of requests()): for each kernel, accumulation
-    dtype and V, every element type the plans put at each pointer, uniform mixes first
-    (the usual calls), then the fewest mixed ones that cover the rest. A pointer's
-    element type reaches the arithmetic only through its load or store, which converts
-    to or from the accumulation type (_to_acc, _store, the vector loads at width V), so
-    a kernel compiles for a mix of element types when it does for each of them at that
-    accumulation dtype and width; compiling every mix takes about six times as long."""
+    """The variants compiled (``every``: all of requests()): the fewest, found greedily
+    with uniform mixes first (the usual calls), whose :func:`features` cover those of
+    every request. A pointer's element type reaches the arithmetic only through its load
+    or store, which converts to or from the accumulation type, so a kernel compiles for a
+    mix of element types, widths and accumulation dtypes when it does for each of them;
+    compiling every mix takes about twenty times as long."""
     reqs = requests()
     if every:
         return reqs
-
-    def covers(r):  # (pointer, element type) pairs
-        return set(enumerate(r[1]))
-
+    need = set().union(*map(features, reqs))
+    rows = sorted(reqs, key=lambda r: len(set(r[1])))  # stable: uniform mixes first
     out = []
-    for key in dict.fromkeys((name, acc, V) for name, _, acc, V in reqs):
-        rows = sorted((r for r in reqs if (r[0], r[2], r[3]) == key),
-                      key=lambda r: len(set(r[1])))  # stable: uniform mixes first
-        need = set().union(*map(covers, rows))
-        while need:
-            best = max(rows, key=lambda r: len(covers(r) & need))  # the first of the best
-            out.append(best)
-            need -= covers(best)
+    while need:
+        best = max(rows, key=lambda r: len(features(r) & need))  # the first of the best
+        out.append(best)
+        need -= features(best)
     return out
 
 

@@ -148,6 +148,33 @@ def test_reference_memory_does_not_grow_with_the_padding(H, k, s, p):
     np.testing.assert_allclose(out, want, rtol=1e-12, atol=1e-12)
 
 
+@needs_torch
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_far_padding_on_every_dtype(dtype):
+    """A padding past the input and the kernel's span (most windows lie wholly in it),
+    in every dtype, bfloat16 included, equals the literal loops; the second call of the
+    same signature (the front end's bound launcher) gives the same bits."""
+    import torch
+
+    rng = np.random.default_rng(4)
+    H, W, k, s, p = 3, 2, (2, 1), (1, 2), (1, 4)
+    Ho, Wo = H + 2 * p[0] - k[0] + 1, (W + 2 * p[1] - k[1]) // s[1] + 1
+    t = getattr(torch, dtype)
+    mu = torch.from_numpy(rng.standard_normal((1, 2, H, W))).to(t)
+    gamma = torch.from_numpy(rng.standard_normal((1, 2, H, W, H, W))).to(t)
+    out0 = torch.from_numpy(rng.standard_normal((1, 2, Ho, Wo, Ho, Wo))).to(t)
+    want = op_loops(to_f64(out0), to_f64(gamma), to_f64(mu), np.array([0.5, -2.0]), *k, s, p)
+    c = torch.tensor([0.5, -2.0], dtype=t)
+    tol = {"bfloat16": 3e-2, "float16": 3e-3, "float32": 1e-5}[dtype]
+    results = []
+    for _ in range(2):
+        out = out0.clone()
+        convcov.accumulate(out, gamma, mu, c, k, stride=s, padding=p, backend="numba")
+        np.testing.assert_allclose(to_f64(out), want, rtol=tol, atol=tol * np.abs(want).max())
+        results.append(to_f64(out))
+    np.testing.assert_array_equal(results[0], results[1])
+
+
 # ------------------------------------------------------------------ a probe that raises
 class _ProbeRaises(Backend):
     name, device = "probe_raises", "cpu"

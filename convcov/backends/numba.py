@@ -59,6 +59,7 @@ from __future__ import annotations
 import os
 import platform
 import threading
+from dataclasses import replace
 from types import FunctionType
 
 import numba
@@ -69,8 +70,8 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from .._arrays import ITEMSIZE as _ITEMSIZE, diag_strides
-from .. import _registry
+from .._arrays import ITEMSIZE as _ITEMSIZE, diag_strides, host_view
+from . import numpy as _numpy
 from .._registry import Backend
 
 # ---------------------------------------------------------------------------------------
@@ -1172,8 +1173,40 @@ def _accumulate_at(prms, optr, gptr, mptr, cptr, c_value, wptr=None):
 def _far_padding(p) -> bool:
     """A padding past the input and the kernel's span on either axis: the walk's buffers
     are indexed by padded position, so such a call (a few windows touch the input, if any)
-    goes to the numpy reference, which reads the input in place."""
+    takes the numpy reference's sums (:func:`_reference`), which read the input in place."""
     return p.ph > p.H + p.dh * (p.kh - 1) or p.pw > p.W + p.dw * (p.kw - 1)
+
+
+def _from_bf16(u):
+    """bfloat16 bits (uint16) as float64 (exact)."""
+    return (u.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+def _to_bf16(x):
+    """float64 as bfloat16 bits, rounded to nearest even (through float32); NaN stays NaN."""
+    u = np.asarray(x, np.float32).view(np.uint32)
+    bits = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    return np.where(np.isnan(x), ((u >> 16) | 0x40).astype(np.uint16), bits)
+
+
+def _reference(p, source=None) -> None:
+    """``out = source + c * S`` (source: out itself unless given) with S from the numpy
+    reference, summed in float64 and rounded once into out; bfloat16 (which numpy lacks)
+    is decoded and encoded here. Only gamma's channel diagonal is decoded."""
+    def dec(a, info):
+        return _from_bf16(a) if info is not None and info.dtype == "bfloat16" else a
+
+    gamma = p.gamma
+    if gamma is not None and p.full_gamma:
+        gamma = _numpy.channel_diagonal(gamma)
+    S = _numpy.patch_moment(replace(p, gamma=dec(gamma, p.gamma_info), full_gamma=False,
+                                    mu=dec(p.mu, p.mu_info)))
+    c = np.full(p.Co, p.c_value) if p.c is None else np.asarray(dec(p.c, p.c_info), np.float64)
+    src = p.out if source is None else source
+    for c0 in range(p.Co):
+        at = (slice(None), c0, slice(None), slice(None), c0) if p.full_out else (slice(None), c0)
+        v = dec(src[at], p.out_info) + c[c0] * S[:, c0 // (p.Co // p.G)]
+        p.out[at] = _to_bf16(v) if p.out_info.dtype == "bfloat16" else v
 
 
 class NumbaBackend(Backend):
@@ -1183,12 +1216,12 @@ class NumbaBackend(Backend):
 
     def accumulate(self, p) -> None:
         if _far_padding(p):
-            return _registry.get("numpy").accumulate(p)
+            return _reference(p)
         self._launch(p, p.out_info.ptr)
 
     def accumulate_apart(self, p, source) -> None:
         if _far_padding(p):
-            return _registry.get("numpy").accumulate_apart(p, source)
+            return _reference(p, source)
         # source has out's strides (the contract): each element is read there, written to out
         self._launch(p, source.__array_interface__["data"][0], p.out_info.ptr)
 
@@ -1202,7 +1235,17 @@ class NumbaBackend(Backend):
         the kernel's parameters are derived once; a call puts its addresses in. (It must
         not keep p, which holds the first call's arrays.)"""
         if _far_padding(p):
-            return None
+            shape = replace(p, out=None, gamma=None, mu=None, c=None)
+
+            def far(out, gamma, mu, c, optr, gptr, mptr, cptr, c_value):
+                cv = None if shape.c_info is None else host_view(c, shape.c_info.dtype)
+                _reference(replace(
+                    shape, out=host_view(out, shape.out_info.dtype), mu=host_view(
+                        mu, shape.mu_info.dtype), c_value=c_value,
+                    gamma=None if gamma is None else host_view(gamma, shape.gamma_info.dtype),
+                    c=None if cv is None else np.broadcast_to(cv, (shape.Co,))))
+
+            return far
         prms = _params(p)
 
         def run(out, gamma, mu, c, optr, gptr, mptr, cptr, c_value):
