@@ -96,6 +96,7 @@ def _pointer_to(nbtype):
 _u16_at = _pointer_to(types.uint16)  # float16 and bfloat16 are handled as their bits
 _f32_at = _pointer_to(types.float32)
 _f64_at = _pointer_to(types.float64)
+_u8_at = _pointer_to(types.uint8)
 
 
 @intrinsic
@@ -195,6 +196,7 @@ def _prefetcher(write):
 
 
 _prefetch_read, _prefetch_write = _prefetcher(0), _prefetcher(1)
+
 
 
 # ---------------------------------------------------------------------------------------
@@ -411,6 +413,19 @@ def _load_rows_any(code, addr, dst, off, n, rs, W, ys):
         _load_rows_bf16(dst, _u16_at(addr), off, n, rs, W, ys)
 
 
+@njit(**_inner)
+def _prefetch_block(addr, isz, off, n0, s0, n1, s1, n2, s2, W):
+    """Ask for the rows of W contiguous elements of ``isz`` bytes at element offsets
+    ``off + a*s0 + b*s1 + c*s2``, a < n0, b < n1, c < n2, from the array at ``addr``."""
+    p = _u8_at(addr)
+    for a in range(n0):
+        for b in range(n1):
+            for c in range(n2):
+                at = (off + a * s0 + b * s1 + c * s2) * isz
+                for e in range(0, W * isz + 63, 64):
+                    _prefetch_read(p, at + e)
+
+
 def _q_adder(dec):
     """A compiled ``add_q`` with gamma's element decoder built in (a decoder passed as an
     argument would make the kernel uncacheable)."""
@@ -578,7 +593,7 @@ def _add_out_any(code, addr, waddr, off, n0, s0, n1, s1, n2, s2, src, cc, pf, nx
 _PRM = ("B G Cg Cog H W Ho Wo kh kw sh sw ph pw dh dw nseg seglen "
         "o_addr o_code o_b o_c o_i0 n0 s0 n1 s1 n2 s2 pf w_addr "
         "g_addr g_code g_b g_c g_x0 g_y0 g_x1 g_y1 "
-        "m_addr m_code m_b m_c m_x m_y c_addr c_code c_s pf_g").split()
+        "m_addr m_code m_b m_c m_x m_y c_addr c_code c_s pf_g pf_x").split()
 
 
 def _kernel(prm, c_value, proto):
@@ -593,7 +608,7 @@ def _kernel(prm, c_value, proto):
     g_addr, g_code, g_b, g_c, g_x0, g_y0, g_x1, g_y1 = (prm[31], prm[32], prm[33], prm[34],
                                                           prm[35], prm[36], prm[37], prm[38])
     m_addr, m_code, m_b, m_c, m_x, m_y = prm[39], prm[40], prm[41], prm[42], prm[43], prm[44]
-    c_addr, c_code, c_s, pf_g = prm[45], prm[46], prm[47], prm[48]
+    c_addr, c_code, c_s, pf_g, pf_x = prm[45], prm[46], prm[47], prm[48], prm[49]
     # Q[y][X][y1] (y: a row y0 that windows read, or 0, a zero row for the padding; x1 =
     # X*sh + r, the rows of x0's residue r modulo sh) has rows of pitch Wq = sw*PT, and
     # T[j0][X][j1] rows of pitch PT: then for each j0 the row filter over all X is kw runs
@@ -687,6 +702,13 @@ def _kernel(prm, c_value, proto):
                                _offset(mr, Xlo * W), _offset(mr, X1n * W), (X1n + 1) * W, W,
                                Xhi - Xlo, Wq, W, four, pf_g)
                     ci += 4 if four else 1
+                # the next row x0's gamma rows, asked for while this one's T, S and out
+                # are formed
+                if pf_x and x0 + 1 < H:
+                    r1 = (x0 + 1) % sh
+                    _prefetch_block(g_addr, pf_x, b * g_b + g * Cg * g_c + (x0 + 1) * g_x0
+                                    + r1 * g_x1, Cg, g_c, W, g_y0, (H - r1 + sh - 1) // sh,
+                                    sh * g_x1, W)
                 # T, the row filter along y, into the ring: for each j0 one run over X and
                 # j1, kw runs of Q; then the edge columns, whose terms in the padding are
                 # absent (not the neighbouring row's values)
@@ -1088,6 +1110,9 @@ _threads = numba.get_num_threads  # (tests ask for more segments)
 #: Software prefetch of gamma's rows one row y0 ahead where a row y0 of one channel spans
 #: at most this many bytes (short runs): grp8 and dil2 1.1x, cpu 1.09x, mb-dw-s2 1.05-1.08x
 GAMMA_PF_SPAN = 1024
+#: Software prefetch of the next row x0's gamma (strided rows x1) up to this many bytes:
+#: mb-dw-s2 1.6x (8 KiB); r20-down's 1 MiB lost 10-20%
+NEXT_ROW_BYTES = 32 << 10
 #: Software prefetch of out's runs (full layout), in bytes ahead: the ``cpu`` workload 1.15x
 PREFETCH_BYTES = 8 << 10
 #: Below this many bytes of channel diagonals the data sit in cache: no prefetching.
@@ -1150,10 +1175,18 @@ def _params(p):
     # gamma's rows one row y0 ahead where those of one y0 span at most GAMMA_PF_SPAN bytes
     span = (p.H // p.sh * p.W * _ITEMSIZE[gi.dtype]) if gi is not None else 1 << 60
     pf_g = int(span <= GAMMA_PF_SPAN)
+    # The next row x0's gamma rows asked for while this one's are summed, where rows x1
+    # are a stride apart (sh > 1: the hardware prefetchers lose them) and they are few
+    # (NEXT_ROW_BYTES). (pf_x: gamma's item size; 0: none)
+    pf_x = 0
+    if gi is not None and gi.strides[-1] == 1 and p.sh > 1 and (
+            p.diagonal_bytes()[0] >= PREFETCH_FROM_BYTES and p.Ci // p.G * -(-p.H // p.sh)
+            * p.W * p.W * _ITEMSIZE[gi.dtype] <= NEXT_ROW_BYTES):
+        pf_x = _ITEMSIZE[gi.dtype]
     prm = np.array((p.B, p.G, p.Ci // p.G, p.Co // p.G, p.H, p.W, p.Ho, p.Wo, p.kh, p.kw,
                     p.sh, p.sw, p.ph, p.pw, p.dh, p.dw, nseg, seglen,
                     0, _CODE[o.dtype], o_b, o_c, o_i0, *(v for d in dims for v in d), pf, 0,
-                    *g_part, 0, _CODE[m.dtype], *m.strides, *c_part, pf_g), np.int64)
+                    *g_part, 0, _CODE[m.dtype], *m.strides, *c_part, pf_g, pf_x), np.int64)
     assert len(prm) == len(_PRM)
     acc = np.float64 if p.acc == "float64" else np.float32
     return prm, acc, _PROTO[p.acc]
