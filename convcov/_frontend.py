@@ -503,7 +503,7 @@ def accumulate(out, gamma, mu, c, kernel_size, *, stride=1, padding=0, dilation=
                                 or (gamma is not None and gamma.requires_grad)
                                 or getattr(c, "requires_grad", False)):
             return _ops().accumulate(out, gamma, mu, c, kernel_size, stride, padding,
-                                     dilation, groups, backend)
+                                     dilation, groups, backend, p)
         _increment_version(out)  # count the write, as torch's in-place ops do
     if not p.empty:
         b.accumulate(p)

@@ -274,10 +274,12 @@ def _check_routed(out, gamma, mu, c):
         raise ShapeError(f"mu: expected 4 dims (B, Ci, H, W); got shape {tuple(mu.shape)}")
 
 
-def accumulate(out, gamma, mu, c, kernel_size, stride, padding, dilation, groups, backend):
-    """``convcov.accumulate`` on routed torch tensors; returns ``out``."""
+def accumulate(out, gamma, mu, c, kernel_size, stride, padding, dilation, groups, backend,
+               problem=None):
+    """``convcov.accumulate`` on routed torch tensors; returns ``out``. ``problem``: the
+    call as the front end validated it (its backend selected), when it did."""
     eager = _eager(mu)
-    if eager:  # the direct path's checks and errors, before anything else
+    if eager and problem is None:  # the direct path's checks and errors, before anything
         problem = _frontend.normalise(out, gamma, mu, c, kernel_size, stride, padding,
                                       dilation, groups)
         _registry.select(backend, problem.device[0], _frontend._dtypes(problem))
