@@ -1210,16 +1210,22 @@ def _far_padding(p) -> bool:
     return p.ph > p.H + p.dh * (p.kh - 1) or p.pw > p.W + p.dw * (p.kw - 1)
 
 
+@njit(**_jit)
 def _from_bf16(u):
-    """bfloat16 bits (uint16) as float64 (exact)."""
-    return (u.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    """bfloat16 bits (a contiguous uint16 array) as float64 (exact)."""
+    flat, r = u.ravel(), np.empty(u.size, np.float64)
+    for i in range(u.size):
+        r[i] = _bf16_decode(flat[i])
+    return r.reshape(u.shape)
 
 
-def _to_bf16(x):
-    """float64 as bfloat16 bits, rounded to nearest even (through float32); NaN stays NaN."""
-    u = np.asarray(x, np.float32).view(np.uint32)
-    bits = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-    return np.where(np.isnan(x), ((u >> 16) | 0x40).astype(np.uint16), bits)
+@njit(**_jit)
+def _to_bf16(v):
+    """A contiguous float64 array as bfloat16 bits, rounded once (as the kernel's stores)."""
+    flat, r = v.ravel(), np.empty(v.size, np.uint16)
+    for i in range(v.size):
+        r[i] = _bf16_encode(flat[i])
+    return r.reshape(v.shape)
 
 
 def _reference(p, source=None) -> None:
@@ -1227,7 +1233,9 @@ def _reference(p, source=None) -> None:
     reference, summed in float64 and rounded once into out; bfloat16 (which numpy lacks)
     is decoded and encoded here. Only gamma's channel diagonal is decoded."""
     def dec(a, info):
-        return _from_bf16(a) if info is not None and info.dtype == "bfloat16" else a
+        if info is None or info.dtype != "bfloat16":
+            return a
+        return _from_bf16(np.ascontiguousarray(a))
 
     gamma = p.gamma
     if gamma is not None and p.full_gamma:
@@ -1235,11 +1243,9 @@ def _reference(p, source=None) -> None:
     S = _numpy.patch_moment(replace(p, gamma=dec(gamma, p.gamma_info), full_gamma=False,
                                     mu=dec(p.mu, p.mu_info)))
     c = np.full(p.Co, p.c_value) if p.c is None else np.asarray(dec(p.c, p.c_info), np.float64)
-    src = p.out if source is None else source
-    for c0 in range(p.Co):
-        at = (slice(None), c0, slice(None), slice(None), c0) if p.full_out else (slice(None), c0)
-        v = dec(src[at], p.out_info) + c[c0] * S[:, c0 // (p.Co // p.G)]
-        p.out[at] = _to_bf16(v) if p.out_info.dtype == "bfloat16" else v
+    bf16 = p.out_info.dtype == "bfloat16"
+    _numpy.add_term(p, S, c, source, (lambda a: dec(a, p.out_info)) if bf16 else None,
+                    _to_bf16 if bf16 else None)
 
 
 class NumbaBackend(Backend):

@@ -86,6 +86,20 @@ def patch_moment(p) -> np.ndarray:
     return S
 
 
+def add_term(p, S, c, source=None, decode=None, encode=None) -> None:
+    """``out = source + c[c0] * S[:, g(c0)]`` on out's channel diagonal (``source``: out
+    itself unless given, of out's layout), summed in float64 and rounded once into out;
+    ``decode`` / ``encode``: out's elements to and from float64 where numpy's casts do not
+    serve (bfloat16's bits)."""
+    per_group = p.Co // p.G
+    src = p.out if source is None else source
+    for c0 in range(p.Co):
+        at = (slice(None), c0, slice(None), slice(None), c0) if p.full_out else (slice(None), c0)
+        old = src[at] if decode is None else decode(src[at])
+        new = old + c[c0] * S[:, c0 // per_group]
+        p.out[at] = new if encode is None else encode(new)
+
+
 def patch_moment_vjp(a) -> tuple[np.ndarray | None, np.ndarray | None]:
     """The adjoint of :func:`patch_moment` for ``grad_S``, in float64.
 
@@ -123,13 +137,8 @@ class NumpyBackend(Backend):
     dtypes = frozenset({"float16", "float32", "float64"})
 
     def accumulate(self, p) -> None:
-        S = patch_moment(p)
         c = np.full(p.Co, p.c_value) if p.c is None else p.c.astype(np.float64)
-        per_group = p.Co // p.G
-        for c0 in range(p.Co):
-            target = p.out[:, c0, :, :, c0] if p.full_out else p.out[:, c0]
-            # Sum in float64, round once into out's dtype.
-            target[...] = target + c[c0] * S[:, c0 // per_group]
+        add_term(p, patch_moment(p), c)
 
     def patch_moment_vjp(self, a) -> None:
         grad_gamma, grad_mu = patch_moment_vjp(a)
