@@ -5,7 +5,8 @@ A forward call is one launch of the walk, or two where many output channels shar
 
 1. the walk: a block takes one diagonal ``i1 - i0`` of S's planes (or a segment of it) and
    one tile of each plane; it sums the planes of the channel sum of ``gamma + mu (x) mu``
-   that the diagonal reads into shared memory, row-filters them into a ring, forms each
+   that the diagonal reads into shared memory (cupy: ``nch`` lanes sharing an element's
+   channel sum where the planes are small), row-filters them into a ring, forms each
    plane of S from ``kh`` planes of the ring and adds ``c[c0] * S`` into out (or stores S):
    :func:`walk` sizes it;
 2. where a group's output channels hold at least :data:`STREAM_BYTES` bytes of out an
@@ -45,6 +46,9 @@ def stream_grid(planes, rows, vectors):
 # Shared memory a block of the walk takes at most: below CUDA's 48 KiB (no opt-in), small
 # enough for several blocks a multiprocessor.
 WALK_SMEM = 32 * 1024
+# The loads of Q a block's step aims for, lanes sharing channel sums until then (cupy):
+# r20-64full 0.171 -> 0.207 of the floor on an H100 (0: no sharing).
+SPLIT_LOADS = THREADS
 # Blocks below which the diagonals are split into segments (each re-reads its first
 # planes of Q): a device's multiprocessors times this.
 WALK_BLOCKS_PER_SM = 4
@@ -55,7 +59,8 @@ class Walk:
     """cc_walk's sizes for one call: ``R`` planes of S a step; a diagonal in ``nseg``
     segments of ``seglen`` planes; a plane in ``ntile`` tiles of ``tj0`` x ``tj1`` (``ntj1``
     along j1); ``nq`` planes of Q staged at once (rows ``hq``, pitch ``wq``); a ring of
-    ``nslot`` planes of T (pitch ``tp``); ``smem`` bytes; ``n`` blocks' items."""
+    ``nslot`` planes of T (pitch ``tp``); ``nch`` lanes sharing each element's channel sum
+    of Q; ``smem`` bytes; ``n`` blocks' items."""
 
     R: int
     seglen: int
@@ -69,17 +74,20 @@ class Walk:
     hq: int
     wq: int
     tp: int
+    nch: int
     smem: int
     n: int
     grid: tuple
 
 
-def walk(B, G, Ho, Wo, kh, kw, sh, sw, dh, dw, V, acc_size, ncs, sms, smem_max=None,
-         blocks_min=None) -> Walk:
+def walk(B, G, Cg, W, Ho, Wo, kh, kw, sh, sw, dh, dw, V, VG, acc_size, ncs, sms,
+         smem_max=None, blocks_min=None) -> Walk:
     """cc_walk's sizes: whole planes (tiles only where one plane's Q and T exceed the
-    shared memory), as many planes of S a step as fit, and whole diagonals a block unless
-    that leaves fewer than ``blocks_min`` blocks. ``V``: the elements along j1 a thread
-    forms (tiles keep it whole); ``ncs``: the values of c a block keeps (its group's)."""
+    shared memory), as many planes of S a step as fit, whole diagonals a block unless
+    that leaves fewer than ``blocks_min`` blocks, and each element of Q's channel sum
+    split over lanes of a warp until a step's elements (``VG`` a load) fill the block.
+    ``V``: the elements along j1 a thread forms (tiles keep it whole); ``ncs``: the values
+    of c a block keeps (its group's)."""
     smem_max = WALK_SMEM if smem_max is None else smem_max
     blocks_min = WALK_BLOCKS_PER_SM * sms if blocks_min is None else blocks_min
 
@@ -107,8 +115,14 @@ def walk(B, G, Ho, Wo, kh, kw, sh, sw, dh, dw, V, acc_size, ncs, sms, smem_max=N
     while R < seglen and sizes(tj0, tj1, R + 1)[-1] <= smem_max:
         R += 1
     nq, nslot, hq, wq, tp, smem = sizes(tj0, tj1, R)
+    # Small planes leave most of a block idle while it sums Q over many channels: lanes
+    # then share an element's sum (a power of two, a warp at most; no shared memory).
+    loads = nq * min(W, hq) * _cdiv(min(W, (tj1 - 1) * sw + (kw - 1) * dw + 1), VG)
+    nch = 1
+    while nch < 32 and 2 * nch <= Cg and loads * nch < SPLIT_LOADS:
+        nch *= 2
     n = (2 * Ho - 1) * nseg * ntile * B * G
-    return Walk(R, seglen, nseg, tj0, tj1, ntj1, ntile, nq, nslot, hq, wq, tp, smem, n,
+    return Walk(R, seglen, nseg, tj0, tj1, ntj1, ntile, nq, nslot, hq, wq, tp, nch, smem, n,
                 (min(n, MAX_GRID_X),))
 # S through memory (cc_walk stores it, cc_stream adds it into out) where a group's output
 # channels hold at least this many bytes of out an element of S: S's round trip is then a

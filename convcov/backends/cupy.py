@@ -13,7 +13,8 @@ memory-bound: gamma's channel diagonal is read once and out's channel diagonal r
 written once, everything else stays on the chip. One kernel, ``cc_walk``, does it for every
 layer: a block walks one diagonal ``i1 - i0`` of S's planes ``S[b, g, i0, :, i1, :]``; each
 plane ``Q_u`` of the group's channel sum of ``gamma + mu (x) mu`` that the diagonal reads
-is summed into shared memory once (gamma streamed), row-filtered along ``ji`` into a ring
+is summed into shared memory once (gamma streamed; where planes are small, lanes of a
+warp share each element's channel sum and add their parts by shuffles), row-filtered along ``ji`` into a ring
 of planes ``T_u``, and each plane of S is ``kh`` reads of the ring (the filter along
 ``ii``); then ``c[c0] * S`` goes into out for every output channel of the group. Where
 many output channels share S (``_plan.STREAM_BYTES``), ``cc_walk`` stores S instead and
@@ -91,8 +92,9 @@ _FIELDS = (
     "dt_out", "dt_gamma", "dt_mu", "dt_c",     # dtype codes (_DTYPES) for run-time typed loads
     "n",                                       # work items of this launch
     # cc_walk (_plan.Walk): planes of S a step, segments of a diagonal, tiles of a plane,
-    # the staged planes of Q and their rows' pitch, the ring of T and its rows' pitch
-    "runp", "seglen", "nseg", "tj0", "tj1", "ntj1", "ntile", "nq", "wq", "nslot", "tp",
+    # the staged planes of Q and their rows' pitch, the ring of T and its rows' pitch,
+    # the lanes sharing an element's channel sum
+    "runp", "seglen", "nseg", "tj0", "tj1", "ntj1", "ntile", "nq", "wq", "nslot", "tp", "nch",
     "nseg_rows", "seg_len",                    # cc_stream: rows of out[b, c0], their length
     "nchunk", "chunk",                         # cc_vjp_gamma: a group's channels in chunks
     # the backward (patch_moment_vjp): grad_S in; grad_gamma, grad_mu out; D, link: scratch
@@ -546,6 +548,11 @@ __global__ void __launch_bounds__(THREADS, WALK_BLOCKS) cc_walk(const Args a) {
   const int R = (int)a.runp, seglen = (int)a.seglen, nseg = (int)a.nseg;
   const int tj0 = (int)a.tj0, tj1 = (int)a.tj1, ntj1 = (int)a.ntj1, ntile = (int)a.ntile;
   const int nq = (int)a.nq, nslot = (int)a.nslot, wq = (int)a.wq, tp = (int)a.tp;
+  // nch lanes (a power of two, within a warp: items are lane-aligned) share an element's
+  // channel sum, channels ci = ch mod nch each, summed across the lanes in a fixed order.
+  const int nch = (int)a.nch;
+  int lnch = 0;
+  while ((1 << lnch) < nch) ++lnch;
   const int hq = (tj0 - 1) * sw + (kw - 1) * dw + 1;   // rows of a tile of Q
   const int span1 = (tj1 - 1) * sw + (kw - 1) * dw + 1;  // its columns that T reads
   const int dt_g = (int)a.dt_gamma, dt_mu = (int)a.dt_mu;
@@ -597,26 +604,42 @@ __global__ void __launch_bounds__(THREADS, WALK_BLOCKS) cc_walk(const Args a) {
         if (nrow > 0 && nvec > 0) {
           int pa = -1;
           bool ok = false;
-          for (Items w(nrow, nvec); w.a < nb; w.next()) {
+          for (Items w(nrow, nvec << lnch); w.a < nb; w.next()) {
             if (w.a != pa) { pa = w.a; ok = wanted(ub + pa); }
-            if (!ok) continue;
-            const int x0 = xs + ub + w.a, x1 = x0 + dx, y0 = y0a + w.b, y1 = y1a + w.c * VG;
+            if (!ok) continue;  // (uniform across an element's lanes, as the loop's test)
+            const int ch = w.c & (nch - 1);
+            const int x0 = xs + ub + w.a, x1 = x0 + dx, y0 = y0a + w.b, y1 = y1a + (w.c >> lnch) * VG;
+            const i64 nci = (a.Cg - ch + nch - 1) >> lnch;  // this lane's channels
             Acc s[VG];
 #pragma unroll
             for (int e = 0; e < VG; ++e) s[e] = (Acc)0;
             if (gamma)  // gamma is read once: streaming loads (evict first)
               sum_channels<Acc, Tin, VG, 1>(
-                  s, gamma, ogb + x0 * a.sg2 + y0 * a.sg3 + x1 * a.sg4 + y1 * a.sg5, a.sg1, a.Cg, dt_g);
-            const i64 om0 = omb + x0 * a.sm2 + y0 * a.sm3, om1 = omb + x1 * a.sm2 + y1 * a.sm3;
-            sum_products<Acc, Tin, VG>(s, mu, om0, om1, a.sm1, a.Cg, dt_mu);
+                  s, gamma, ogb + ch * a.sg1 + x0 * a.sg2 + y0 * a.sg3 + x1 * a.sg4 + y1 * a.sg5,
+                  a.sg1 << lnch, nci, dt_g);
+            const i64 om0 = omb + ch * a.sm1 + x0 * a.sm2 + y0 * a.sm3;
+            const i64 om1 = omb + ch * a.sm1 + x1 * a.sm2 + y1 * a.sm3;
+            sum_products<Acc, Tin, VG>(s, mu, om0, om1, a.sm1 << lnch, nci, dt_mu);
             Acc* qr = Q + (w.a * hq + (y0 - Y0lo)) * wq;
             const int lc = y1 - base1;
-            if (lc >= 0 && lc + VG <= wq) {
+#ifdef __CUDA_ARCH__
+            const unsigned lanes = nch == 32 ? 0xffffffffu
+                                             : ((1u << nch) - 1) << ((TID & 31) & ~(nch - 1));
+            for (int d = nch >> 1; d > 0; d >>= 1) {
+#pragma unroll
+              for (int e = 0; e < VG; ++e) s[e] = aadd(s[e], __shfl_xor_sync(lanes, s[e], d));
+            }
+            if (ch) continue;
+            const bool add = false;
+#else  // one thread takes an element's lanes in turn: the first stores, the others add
+            const bool add = ch != 0;
+#endif
+            if (!add && lc >= 0 && lc + VG <= wq) {
               stv<Acc, VG, 0>(qr + lc, s);
             } else {  // a vector across the tile's edge: its elements inside it
 #pragma unroll
               for (int e = 0; e < VG; ++e)
-                if (lc + e >= 0 && lc + e < wq) qr[lc + e] = s[e];
+                if (lc + e >= 0 && lc + e < wq) qr[lc + e] = add ? qr[lc + e] + s[e] : s[e];
             }
           }
         }
@@ -1165,14 +1188,14 @@ class CupyBackend(Backend):
             v = _plan.widen(max(w for w in _widths(acc_size) if Wo % w == 0), acc_size, Wo)
         else:
             v = _plan.widen(vector_width(o_size, Wo, (so[5],), (Wo,), so[:5], oi.ptr), o_size, Wo)
-        wk = _plan.walk(B, G, Ho, Wo, p.kh, p.kw, p.sh, p.sw, p.dh, p.dw, v, acc_size,
-                        0 if stream else Cog, sms)
+        if not stream and in_cxx != o_cxx:  # gamma and mu typed only as out's dtype
+            in_cxx, vg = "anyt", 1  # (the family's type)
+        wk = _plan.walk(B, G, p.Ci // G, W, Ho, Wo, p.kh, p.kw, p.sh, p.sw, p.dh, p.dw, v,
+                        vg, acc_size, 0 if stream else Cog, sms)
         sizes = dict(n=wk.n, runp=wk.R, seglen=wk.seglen, nseg=wk.nseg, tj0=wk.tj0,
                      tj1=wk.tj1, ntj1=wk.ntj1, ntile=wk.ntile, nq=wk.nq, wq=wk.wq,
-                     nslot=wk.nslot, tp=wk.tp)
-        if not stream:  # gamma and mu typed only as out's dtype (the family's type)
-            if in_cxx != o_cxx:
-                in_cxx, vg = "anyt", 1
+                     nslot=wk.nslot, tp=wk.tp, nch=wk.nch)
+        if not stream:
             return _Plan([launch(f"cc_walk<{o_cxx}, {in_cxx}, {acc_cxx}, {v}, {vg}, 0>",
                                  ("fast", o_cxx, acc_cxx), wk.grid, smem=wk.smem, **sizes)],
                          0, acc)

@@ -13,7 +13,9 @@ sizes from ``convcov.backends._plan``:
 * ``walk`` (``_plan.walk``): a block takes one (b, g), one diagonal ``i1 - i0`` of S's
   planes ``S[b, g, i0, :, i1, :]`` (or a segment of it) and one tile of each plane. It
   sums the planes of gamma's channel diagonal + mu (x) mu over the group that its step
-  needs into dynamic shared memory (each element of gamma it needs read once), row-filters
+  needs into dynamic shared memory (each element of gamma it needs read once; a thread an
+  element's whole channel sum: Numba's CUDA simulator, which CI runs, has no warp
+  shuffles, so cupy's lanes sharing a sum, ``_plan.Walk.nch``, are not used), row-filters
   them into a ring of planes of T there, forms each plane of S as kh reads of the ring,
   and adds ``c[c0] * S`` into out for every output channel of the group, or stores S.
 * ``stream``: where many output channels share S (``_plan.STREAM_BYTES``) and out's
@@ -1156,8 +1158,8 @@ def _make_plan(p, dev_id):
     else:
         v = _plan.widen(vector_width(o_size, Wo, (ost[5],), (Wo,), ost[:5], oi.ptr), o_size, Wo)
         vg = vg if mi.dtype == oi.dtype else 1
-    wk = _plan.walk(B, G, Ho, Wo, p.kh, p.kw, p.sh, p.sw, p.dh, p.dw, v, a_size,
-                    0 if stream else Cog, _sms(dev_id))
+    wk = _plan.walk(B, G, p.Ci // G, p.W, Ho, Wo, p.kh, p.kw, p.sh, p.sw, p.dh, p.dw, v, vg,
+                    a_size, 0 if stream else Cog, _sms(dev_id))
     sizes = (wk.R, wk.seglen, wk.nseg, wk.tj0, wk.tj1, wk.ntj1, wk.ntile, wk.nq, wk.nslot,
              wk.wq, wk.tp)
     inputs = (gsrc, gbase, gst, has_g, _MU, mbase, mst)
