@@ -48,14 +48,15 @@ def test_module_import_does_not_import_cupy():
 
 # ------------------------------------------------------------------ helpers
 #: The plans _force can force (every test of the host build takes each).
-PATHS = ["fused", "stream", "tiles", "segments"]
+PATHS = ["fused", "stream", "tiles", "segments", "split"]
 
 
 @pytest.fixture(params=PATHS)
 def path(request, monkeypatch):
     """Force one plan of the walk (_force): c * S added into out by cc_walk ("fused") or S
     through memory and cc_stream ("stream"); planes in small tiles, one plane of S a step
-    ("tiles"); diagonals in segments of one plane ("segments")."""
+    ("tiles"); diagonals in segments of one plane ("segments"); every element's channel
+    sum shared by as many lanes as the group's channels allow ("split")."""
     _force(monkeypatch, request.param)
     BACKEND._plans.clear()  # plans remember the path chosen
     monkeypatch.setattr(_frontend, "_bound", {})  # ... and so do the bound launchers
@@ -830,7 +831,7 @@ def test_cuda_source_on_host_random(host_kernels, monkeypatch, seed):
                                       gamma=[None, "full", "diag"][i(0, 2)],
                                       c_form=["number", "0d", "1d"][i(0, 2)], **dims)
     if i(0, 1):
-        _force(monkeypatch, PATHS[i(0, 3)])
+        _force(monkeypatch, PATHS[i(0, len(PATHS) - 1)])
     sms = [(4, 256), (1, 256), (132, 2048)][i(0, 2)]
     run = lambda: _run_on_host(host_kernels, _frontend.normalise(  # noqa: E731
         out, g, mu, c, k, conv["stride"], conv["padding"], conv["dilation"], conv["groups"]),
@@ -843,7 +844,8 @@ def test_cuda_source_on_host_random(host_kernels, monkeypatch, seed):
 def _force(monkeypatch, forced):
     """Force a plan (PATHS): S through memory wherever out's rows allow it ("stream") or
     never (the others); the walk's tiles as small as they go, one plane of S a step
-    ("tiles": _plan.WALK_SMEM); every diagonal in segments of one plane ("segments")."""
+    ("tiles": _plan.WALK_SMEM); every diagonal in segments of one plane ("segments");
+    the most lanes to an element's channel sum ("split": _plan.SPLIT_LOADS)."""
     from convcov.backends import _plan
 
     monkeypatch.setattr(_plan, "STREAM_BYTES", 0 if forced == "stream" else 1 << 60)
@@ -851,6 +853,8 @@ def _force(monkeypatch, forced):
         monkeypatch.setattr(_plan, "WALK_SMEM", 1)
     if forced == "segments":
         monkeypatch.setattr(_plan, "WALK_BLOCKS_PER_SM", 1 << 30)
+    if forced == "split":
+        monkeypatch.setattr(_plan, "SPLIT_LOADS", 1 << 30)
 
 
 def _took(names, forced, rows_contiguous=True):

@@ -241,7 +241,8 @@ def _forget_plans(monkeypatch):
     monkeypatch.setattr(_frontend, "_bound", {})
 
 
-#: The plans _force can force (cupy's, tests/test_cupy.py).
+#: The plans _force can force (cupy's, tests/test_cupy.py, but "split": this walk has no
+#: lanes sharing a channel sum).
 PATHS = ["fused", "stream", "tiles", "segments"]
 
 
