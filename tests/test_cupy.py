@@ -843,8 +843,9 @@ def test_cuda_source_on_host_random(host_kernels, monkeypatch, seed):
 # to the padding, and the literal loops: on the host build (CI) and on a GPU
 def _force(monkeypatch, forced):
     """Force a plan (PATHS): S through memory wherever out's rows allow it ("stream") or
-    never (the others); the walk's tiles as small as they go, one plane of S a step
-    ("tiles": _plan.WALK_SMEM); every diagonal in segments of one plane ("segments");
+    never (the others); the walk's tiles as small as they go, one plane of S a step, c
+    read where it is used ("tiles": _plan.WALK_SMEM); every diagonal in segments of one
+    plane ("segments");
     the most lanes to an element's channel sum ("split": _plan.SPLIT_LOADS)."""
     from convcov.backends import _plan
 
@@ -1461,3 +1462,21 @@ def test_vjp_threads_at_once():
                 "wrong result"
 
     at_once(len(jobs), work)
+
+
+def test_many_output_channels_a_group_on_host(host_kernels):
+    """A group of more output channels than a quarter of the walk's shared memory holds
+    values of c (12,300 in float32), with out's rows (i1, j1) not contiguous (so c * S goes
+    straight into out, not through S): c is read where it is used, the launch asks for no
+    more than CUDA's 48 KiB of shared memory (_HostKernel checks it), and the result is
+    the reference's."""
+    rng = np.random.default_rng(7)
+    Co = 12300
+    out = rng.random((1, Co, 2, 2, 2, 4), np.float32)[..., ::2]
+    mu = rng.random((1, 1, 2, 2), np.float32)
+    c = rng.random(Co, np.float32)
+    conv = dict(stride=1, padding=0, dilation=1, groups=1)
+    names = []
+    _check(out, None, mu, c, (1, 1), conv,
+           run=lambda: names.extend(_host_call(host_kernels, out, None, mu, c, (1, 1), conv)))
+    assert [n.split("<")[0] for n in names] == ["cc_walk"], names

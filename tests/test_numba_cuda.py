@@ -250,8 +250,8 @@ def _force(monkeypatch, forced):
     """Force a plan of the walk (``convcov.backends._plan``, as cupy's plan reads it): S
     through memory wherever out's rows allow it ("stream": walk stores S, stream adds it
     into out) or never (the others: walk adds c * S into out); planes in the smallest
-    tiles, one plane of S a step ("tiles": _plan.WALK_SMEM); every diagonal in segments
-    of one plane ("segments": _plan.WALK_BLOCKS_PER_SM)."""
+    tiles, one plane of S a step, c read where it is used ("tiles": _plan.WALK_SMEM);
+    every diagonal in segments of one plane ("segments": _plan.WALK_BLOCKS_PER_SM)."""
     from convcov.backends import _plan
 
     monkeypatch.setattr(_plan, "STREAM_BYTES", 0 if forced == "stream" else 1 << 60)
@@ -446,6 +446,29 @@ def test_negative_strides(path):
     convcov.accumulate(out_v, g_v.astype(np.float32), mu_v.astype(np.float32), c, k,
                        backend="numba_cuda")
     np.testing.assert_allclose(out_v, ref, rtol=1e-5, atol=1e-5)
+
+
+@available
+@pytest.mark.skipif(ON_GPU, reason="numpy views: host (simulator) only")
+def test_many_output_channels_a_group(monkeypatch):
+    """More output channels a group than a quarter of the walk's shared memory holds
+    values of c (12,300 in float32), out's rows (i1, j1) not contiguous (c * S straight
+    into out): c is read where it is used, the launch asks for no more than CUDA's 48 KiB
+    of shared memory a block (a GPU refuses more), and the result is the reference's."""
+    from convcov.backends import numba_cuda as mod
+
+    rng = np.random.default_rng(7)
+    Co = 12300
+    out = rng.random((1, Co, 2, 2, 2, 4), np.float32)[..., ::2]
+    mu = rng.random((1, 1, 2, 2), np.float32)
+    c = rng.random(Co, np.float32)
+    ref = convcov.accumulate(out.astype(np.float64), None, mu.astype(np.float64),
+                             c.astype(np.float64), 1, backend="numpy")
+    _forget_plans(monkeypatch)
+    convcov.accumulate(out, None, mu, c, 1, backend="numba_cuda")
+    np.testing.assert_allclose(out, ref, rtol=1e-6, atol=1e-6)
+    (plan,) = mod._plans.values()
+    assert [ln.smem <= 48 * 1024 for ln in plan.launches] == [True], plan.launches
 
 
 def _reversed(x):

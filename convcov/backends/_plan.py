@@ -60,7 +60,8 @@ class Walk:
     segments of ``seglen`` planes; a plane in ``ntile`` tiles of ``tj0`` x ``tj1`` (``ntj1``
     along j1); ``nq`` planes of Q staged at once (rows ``hq``, pitch ``wq``); a ring of
     ``nslot`` planes of T (pitch ``tp``); ``nch`` lanes sharing each element's channel sum
-    of Q; ``smem`` bytes; ``n`` blocks' items."""
+    of Q; ``csm``: c's values in shared memory (else read from c where used); ``smem``
+    bytes; ``n`` blocks' items."""
 
     R: int
     seglen: int
@@ -75,6 +76,7 @@ class Walk:
     wq: int
     tp: int
     nch: int
+    csm: bool
     smem: int
     n: int
     grid: tuple
@@ -87,9 +89,13 @@ def walk(B, G, Cg, W, Ho, Wo, kh, kw, sh, sw, dh, dw, V, VG, acc_size, ncs, sms,
     that leaves fewer than ``blocks_min`` blocks, and each element of Q's channel sum
     split over lanes of a warp until a step's elements (``VG`` a load) fill the block.
     ``V``: the elements along j1 a thread forms (tiles keep it whole); ``ncs``: the values
-    of c a block keeps (its group's)."""
+    of c a block uses (its group's)."""
     smem_max = WALK_SMEM if smem_max is None else smem_max
     blocks_min = WALK_BLOCKS_PER_SM * sms if blocks_min is None else blocks_min
+    # c's values in a quarter of the shared memory at most (a group of more output
+    # channels reads each where it is used: they would leave no room for Q and T)
+    csm = ncs * acc_size <= smem_max // 4
+    ncs = ncs if csm else 0
 
     def sizes(tj0, tj1, R):
         tp = _cdiv(tj1, 4) * 4  # T's rows: 16-byte aligned
@@ -122,7 +128,7 @@ def walk(B, G, Cg, W, Ho, Wo, kh, kw, sh, sw, dh, dw, V, VG, acc_size, ncs, sms,
     while nch < 32 and 2 * nch <= Cg and loads * nch < SPLIT_LOADS:
         nch *= 2
     n = (2 * Ho - 1) * nseg * ntile * B * G
-    return Walk(R, seglen, nseg, tj0, tj1, ntj1, ntile, nq, nslot, hq, wq, tp, nch, smem, n,
+    return Walk(R, seglen, nseg, tj0, tj1, ntj1, ntile, nq, nslot, hq, wq, tp, nch, csm, smem, n,
                 (min(n, MAX_GRID_X),))
 # S through memory (cc_walk stores it, cc_stream adds it into out) where a group's output
 # channels hold at least this many bytes of out an element of S: S's round trip is then a

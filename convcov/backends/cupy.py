@@ -93,8 +93,9 @@ _FIELDS = (
     "n",                                       # work items of this launch
     # cc_walk (_plan.Walk): planes of S a step, segments of a diagonal, tiles of a plane,
     # the staged planes of Q and their rows' pitch, the ring of T and its rows' pitch,
-    # the lanes sharing an element's channel sum
+    # the lanes sharing an element's channel sum, c's values in shared memory (1) or not
     "runp", "seglen", "nseg", "tj0", "tj1", "ntj1", "ntile", "nq", "wq", "nslot", "tp", "nch",
+    "csm",
     "nseg_rows", "seg_len",                    # cc_stream: rows of out[b, c0], their length
     "nchunk", "chunk",                         # cc_vjp_gamma: a group's channels in chunks
     # the backward (patch_moment_vjp): grad_S in; grad_gamma, grad_mu out; D, link: scratch
@@ -509,11 +510,12 @@ __device__ __forceinline__ void sum_products(Acc (&s)[VG], const void* mu, i64 o
   }
 }
 
-// op[k * so1] = os[k * so1] + cs[k] * s for the group's Cog output channels k, V elements a
+// op[k * so1] = os[k * so1] + c[c0 + k] * s for the group's Cog output channels k (c0 its
+// first), c's values from cs (shared memory) or, without cs, from c itself; V elements a
 // load and a store, INFLIGHT bytes of loads of out in flight before their stores.
 template <typename To, typename Acc, int V>
 __device__ __forceinline__ void add_cs(To* op, const To* os, i64 so1, int Cog, const Acc* cs,
-                                       const Acc (&s)[V]) {
+                                       const Args& a, i64 c0, const Acc (&s)[V]) {
   enum { UNROLL = LOADS_FOR(V * (int)sizeof(To)) };
   for (int k0 = 0; k0 < Cog; k0 += UNROLL) {
     Raw<To, V> old[UNROLL];
@@ -525,8 +527,9 @@ __device__ __forceinline__ void add_cs(To* op, const To* os, i64 so1, int Cog, c
       if (k0 + k < Cog) {
         To o[V];
         unpack<To, V>(old[k], o);
+        const Acc ck = cs ? cs[k0 + k] : c_of<Acc>(a, c0 + k0 + k);
 #pragma unroll
-        for (int e = 0; e < V; ++e) Cv<Acc>::to(o[e], afma(cs[k0 + k], s[e], Cv<Acc>::from(o[e])));
+        for (int e = 0; e < V; ++e) Cv<Acc>::to(o[e], afma(ck, s[e], Cv<Acc>::from(o[e])));
         stv<To, V, 1>(op + (k0 + k) * so1, o);
       }
     }
@@ -591,7 +594,8 @@ __global__ void __launch_bounds__(THREADS, WALK_BLOCKS) cc_walk(const Args a) {
       return u >= ulo && u < uhi && (sh > 64 || ((reach >> (u % sh)) & 1));
     };
     for (int e = TID; e < nq * hq * wq; e += NTHR) Q[e] = (Acc)0;
-    for (int k = TID; k < (STORE ? 0 : (int)a.Cog); k += NTHR) cs[k] = c_of<Acc>(a, g * a.Cog + k);
+    for (int k = TID; k < (STORE || !a.csm ? 0 : (int)a.Cog); k += NTHR)
+      cs[k] = c_of<Acc>(a, g * a.Cog + k);
     SYNC();
     int u_next = 0;  // the first plane of Q not yet in the ring
     for (int t0 = t_first; t0 < t_end; t0 += R) {
@@ -699,7 +703,8 @@ __global__ void __launch_bounds__(THREADS, WALK_BLOCKS) cc_walk(const Args a) {
           stv<To, V, 0>((To*)a.s + ((bg * Ho + i0) * Wo + j0) * HoWo + i1 * Wo + j1, o);
         } else {
           const i64 oo = b * a.so0 + g * a.Cog * a.so1 + i0 * a.so2 + j0 * a.so3 + i1 * a.so4 + j1 * a.so5;
-          add_cs<To, Acc, V>((To*)a.out + oo, (const To*)a.src + oo, a.so1, (int)a.Cog, cs, s);
+          add_cs<To, Acc, V>((To*)a.out + oo, (const To*)a.src + oo, a.so1, (int)a.Cog,
+                             a.csm ? cs : nullptr, a, g * a.Cog, s);
         }
       }
       SYNC();  // before the next step's T reuses the ring
@@ -1194,7 +1199,7 @@ class CupyBackend(Backend):
                         vg, acc_size, 0 if stream else Cog, sms)
         sizes = dict(n=wk.n, runp=wk.R, seglen=wk.seglen, nseg=wk.nseg, tj0=wk.tj0,
                      tj1=wk.tj1, ntj1=wk.ntj1, ntile=wk.ntile, nq=wk.nq, wq=wk.wq,
-                     nslot=wk.nslot, tp=wk.tp, nch=wk.nch)
+                     nslot=wk.nslot, tp=wk.tp, nch=wk.nch, csm=wk.csm)
         if not stream:
             return _Plan([launch(f"cc_walk<{o_cxx}, {in_cxx}, {acc_cxx}, {v}, {vg}, 0>",
                                  ("fast", o_cxx, acc_cxx), wk.grid, smem=wk.smem, **sizes)],

@@ -397,7 +397,8 @@ if _IMPORT_ERROR is None:
         each phase's items together (_items), barriers between phases. Grid: x over the
         blocks' items, the longest diagonals first (they take longest), looping past it.
         Shared memory (``smem`` bytes, ACC elements): nq planes of Q (hq rows of wq), the
-        ring (nslot planes of tj0 rows of tp), the group's Cog values of c."""
+        ring (nslot planes of tj0 rows of tp), the group's Cog values of c (``csm``; else
+        each is read from c where it is used)."""
         U, VT = _plan.UNROLL, 4  # VT: rows of T a thread forms at once (one column)
         UV = U * V  # a local array's size must be a constant, not an expression
         terms_u, terms_1 = _make_terms(U, VG, ACC), _make_terms(1, VG, ACC)
@@ -408,7 +409,7 @@ if _IMPORT_ERROR is None:
             B, G, Cg, Cog = geo[0], geo[1], geo[2], geo[3]
             H, W, Ho, Wo, kh, kw = geo[4], geo[5], geo[6], geo[7], geo[8], geo[9]
             sh, sw, ph, pw, dh, dw = geo[10], geo[11], geo[12], geo[13], geo[14], geo[15]
-            R, seglen, nseg, tj0, tj1, ntj1, ntile, nq, nslot, wq, tp = wk
+            R, seglen, nseg, tj0, tj1, ntj1, ntile, nq, nslot, wq, tp, csm = wk
             hq = (tj0 - 1) * sw + (kw - 1) * dw + 1  # rows of a tile of Q
             span1 = (tj1 - 1) * sw + (kw - 1) * dw + 1  # its columns that T reads
             at_t = nq * hq * wq  # where the ring of T starts in shared memory
@@ -454,7 +455,7 @@ if _IMPORT_ERROR is None:
                         sm[e] = zero
                         e += nthr
                     e = tid
-                    while e < (0 if STORE else Cog):
+                    while e < (0 if STORE or csm == 0 else Cog):
                         sm[at_c + e] = (_to_acc(cptr[cbase + (g * Cog + e) * cst], zero)
                                         if has_c else cval)
                         e += nthr
@@ -570,7 +571,9 @@ if _IMPORT_ERROR is None:
                                                 old[w * V + e] = y[e]
                                     for w in range(U):
                                         if k + w < Cog:
-                                            cv = sm[at_c + k + w]
+                                            cv = (sm[at_c + k + w] if csm else _to_acc(
+                                                cptr[cbase + (g * Cog + k + w) * cst], zero)
+                                                if has_c else cval)
                                             for e in range(V):
                                                 res[e] = _to_elem(optr, _to_acc(
                                                     old[w * V + e], zero) + cv * s[e])
@@ -810,7 +813,7 @@ def _signature(name, elems, acc):
     if name.startswith("walk"):  # out (walk_s: S), gamma, mu, c
         o, g, m, c = ptr
         args = (o, i64, t6, g, i64, t6, i64, m, i64, t4, c, i64, i64, i64, A, geo,
-                nbt.UniTuple(i64, 11), i64, A)
+                nbt.UniTuple(i64, 12), i64, A)
     elif name == "stream":  # out, c
         args = (ptr[0], i64, t6, ptr[1], i64, i64, i64, A, a_ptr, geo, i64, i64, A)
     elif name == "vjp_gamma":  # grad_S, grad_gamma
@@ -1161,7 +1164,7 @@ def _make_plan(p, dev_id):
     wk = _plan.walk(B, G, p.Ci // G, p.W, Ho, Wo, p.kh, p.kw, p.sh, p.sw, p.dh, p.dw, v, vg,
                     a_size, 0 if stream else Cog, _sms(dev_id))
     sizes = (wk.R, wk.seglen, wk.nseg, wk.tj0, wk.tj1, wk.ntj1, wk.ntile, wk.nq, wk.nslot,
-             wk.wq, wk.tp)
+             wk.wq, wk.tp, int(wk.csm))
     inputs = (gsrc, gbase, gst, has_g, _MU, mbase, mst)
     name = "walk" + ("_s" if stream else "") + (f"_vg{vg * in_size}" if vg > 1 else "")
     if not stream:
