@@ -14,13 +14,14 @@ written once, everything else stays on the chip. One kernel, ``cc_walk``, does i
 layer: a block walks one diagonal ``i1 - i0`` of S's planes ``S[b, g, i0, :, i1, :]``; each
 plane ``Q_u`` of the group's channel sum of ``gamma + mu (x) mu`` that the diagonal reads
 is summed into shared memory once (gamma streamed; where planes are small, lanes of a
-warp share each element's channel sum and add their parts by shuffles), row-filtered along ``ji`` into a ring
-of planes ``T_u``, and each plane of S is ``kh`` reads of the ring (the filter along
-``ii``); then ``c[c0] * S`` goes into out for every output channel of the group. Where
-many output channels share S (``_plan.STREAM_BYTES``), ``cc_walk`` stores S instead and
-``cc_stream`` adds ``c[c0] * S`` into out in address order, S re-read from L2. The sizes
-(planes of S a step, tiles of a plane, segments of a diagonal) come from
-``convcov.backends._plan.walk``, which the ``numba_cuda`` backend shares.
+warp share each element's channel sum and add their parts by shuffles), row-filtered
+along ``ji`` into a ring of planes ``T_u``, and each plane of S is ``kh`` reads of the
+ring (the filter along ``ii``); then ``c[c0] * S`` goes into out for every output channel
+of the group. Where many output channels share S (``_plan.STREAM_BYTES``), ``cc_walk``
+stores S instead and ``cc_stream`` adds ``c[c0] * S`` into out in address order, S
+re-read from L2. The sizes (planes of S a step, tiles of a plane, segments of a diagonal,
+lanes a channel sum) come from ``convcov.backends._plan.walk``, which the ``numba_cuda``
+backend shares.
 
 Scratch: S, only where it goes through memory (``B*G*(Ho*Wo)**2`` accumulation-type
 elements), allocated stream-ordered from the arrays' library. A tile of Q in shared memory
@@ -612,7 +613,8 @@ __global__ void __launch_bounds__(THREADS, WALK_BLOCKS) cc_walk(const Args a) {
             if (w.a != pa) { pa = w.a; ok = wanted(ub + pa); }
             if (!ok) continue;  // (uniform across an element's lanes, as the loop's test)
             const int ch = w.c & (nch - 1);
-            const int x0 = xs + ub + w.a, x1 = x0 + dx, y0 = y0a + w.b, y1 = y1a + (w.c >> lnch) * VG;
+            const int x0 = xs + ub + w.a, x1 = x0 + dx, y0 = y0a + w.b;
+            const int y1 = y1a + (w.c >> lnch) * VG;
             const i64 nci = (a.Cg - ch + nch - 1) >> lnch;  // this lane's channels
             Acc s[VG];
 #pragma unroll
