@@ -845,8 +845,8 @@ def _force(monkeypatch, forced):
     """Force a plan (PATHS): S through memory wherever out's rows allow it ("stream") or
     never (the others); the walk's tiles as small as they go, one plane of S a step, c
     read where it is used ("tiles": _plan.WALK_SMEM); every diagonal in segments of one
-    plane ("segments");
-    the most lanes to an element's channel sum ("split": _plan.SPLIT_LOADS)."""
+    plane ("segments"); the most lanes to an element's channel sum ("split":
+    _plan.SPLIT_LOADS)."""
     from convcov.backends import _plan
 
     monkeypatch.setattr(_plan, "STREAM_BYTES", 0 if forced == "stream" else 1 << 60)

@@ -344,6 +344,12 @@ if _IMPORT_ERROR is None:
         plane of S (its residue modulo sh is one ``reach`` has; strides past 64: all)."""
         return u >= ulo and u < uhi and (sh > 64 or ((reach >> (u % sh)) & 1) != 0)
 
+    @cuda.jit(device=True)
+    def _c_of(cptr, cbase, cst, has_c, cval, c0, zero):
+        """c of output channel c0 in the accumulation type (cval: c as a number), as
+        cupy's c_of."""
+        return _to_acc(cptr[cbase + c0 * cst], zero) if has_c else cval
+
     def _make_terms(K, VG, ACC):
         """Device function: add K channels' terms of one cell of Q (VG consecutive y1) into
         ``s``: gamma's (has_g), then mu (x) mu's, each array's loads issued before its first
@@ -456,8 +462,7 @@ if _IMPORT_ERROR is None:
                         e += nthr
                     e = tid
                     while e < (0 if STORE or csm == 0 else Cog):
-                        sm[at_c + e] = (_to_acc(cptr[cbase + (g * Cog + e) * cst], zero)
-                                        if has_c else cval)
+                        sm[at_c + e] = _c_of(cptr, cbase, cst, has_c, cval, g * Cog + e, zero)
                         e += nthr
                     cuda.syncthreads()
                     u_next = 0  # the first plane of Q not yet in the ring
@@ -571,9 +576,9 @@ if _IMPORT_ERROR is None:
                                                 old[w * V + e] = y[e]
                                     for w in range(U):
                                         if k + w < Cog:
-                                            cv = (sm[at_c + k + w] if csm else _to_acc(
-                                                cptr[cbase + (g * Cog + k + w) * cst], zero)
-                                                if has_c else cval)
+                                            cv = (sm[at_c + k + w] if csm else
+                                                  _c_of(cptr, cbase, cst, has_c, cval,
+                                                        g * Cog + k + w, zero))
                                             for e in range(V):
                                                 res[e] = _to_elem(optr, _to_acc(
                                                     old[w * V + e], zero) + cv * s[e])
@@ -605,7 +610,7 @@ if _IMPORT_ERROR is None:
             while z < geo[0] * Co:
                 b = _div(z, Co)
                 c0 = z - b * Co
-                cv = _to_acc(cptr[cbase + c0 * cst], zero) if has_c else cval
+                cv = _c_of(cptr, cbase, cst, has_c, cval, c0, zero)
                 sb = (b * G + _div(c0, Cog)) * HoWo * HoWo
                 r = cuda.blockIdx.y * cuda.blockDim.y + cuda.threadIdx.y
                 while r < nseg:
