@@ -5,10 +5,9 @@
 # Needs: a CUDA GPU, torch, cupy, numba and numba-cuda installed, and wheels in .whl/ that
 # are installed first into /tmp/site (a numpy 2.4.x wheel: numba-cuda 0.30.4 fails to compile
 # under numpy 2.5, which lacks numpy.row_stack).
-# On a fresh machine the tests spend their first minutes compiling (NVRTC compiles each of
-# cupy's families whole, Numba each kernel variant): 300 s of TEST_TIMEOUT covered a third
-# of the CUDA tests there. Where one command may run 10 minutes, run the tests alone
-# (SKIP_BENCH=1 TEST_TIMEOUT=560) and the bench in a second command.
+# On a fresh machine the tests spend minutes compiling (NVRTC each cupy kernel a test
+# launches, Numba each kernel variant). Where one command may run 10 minutes, run the
+# tests alone (SKIP_BENCH=1 TEST_TIMEOUT=560) and the bench in a second command.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1

@@ -1,8 +1,8 @@
 """``cupy``: CUDA C++ kernels compiled by CuPy (NVRTC); the automatic first choice for CUDA arrays.
 
 Owns the CUDA C++ source below (``SOURCE``), its compilation into ``cupy.RawModule`` objects
-(templated on the storage and accumulation types: one module per type family, compiled
-once per process, cached on disk by CuPy), the choice of kernels and launch sizes for one
+(one module a kernel instantiation, compiled when a call first launches it, once per
+process, cached on disk by CuPy), the choice of kernels and launch sizes for one
 call, and the launch itself on the arrays' device and on their library's current stream:
 torch's for torch tensors, CuPy's for CuPy arrays; for other ``__cuda_array_interface__``
 objects (numba device arrays) the stream ``out`` names, after the streams the inputs name
@@ -381,10 +381,11 @@ __device__ __forceinline__ Acc c_of(const Args& a, i64 c0) {
 // row-filtered into a ring of nslot planes of T; each plane of S is then kh reads of the
 // ring, and c[c0] * S goes into out for every output channel of the group (STORE 0,
 // add_cs) or S itself into the scratch for cc_stream (STORE 1). A tile of Q keeps zeros
-// where y0 or y1 lies in the padding (written when the block starts, never again), so an
-// absent term adds nothing and NaN or Inf in mu never meets a padded zero; planes with
-// x0 or x1 in the padding are skipped. Grid: x over the blocks' items, the longest
-// diagonals first (they take longest); it loops past CUDA's limit.
+// where y0 or y1 lies in the padding (written when a block starts a tile, never again),
+// so an absent term adds nothing and NaN or Inf in mu never meets a padded zero; planes
+// with x0 or x1 in the padding are skipped. Grid: x, a few waves of blocks
+// (_plan.WALK_GRID_PER_SM), each looping over items, the longest diagonals first (they
+// take longest).
 #ifdef __CUDA_ARCH__
 extern __shared__ __align__(16) unsigned char walk_smem[];
 #define TID ((int)threadIdx.x)
@@ -538,7 +539,9 @@ __device__ __forceinline__ void add_cs(To* op, const To* os, i64 so1, int Cog, c
 }
 
 #ifndef WALK_BLOCKS
-#define WALK_BLOCKS 3  // blocks a multiprocessor ptxas sizes the registers for (80 each)
+// blocks a multiprocessor ptxas sizes the registers for (64 each, some spilled): more
+// blocks hide more of a step's latency (mb-dw-s2 0.109 -> 0.125 of the floor on an H100)
+#define WALK_BLOCKS 4
 #endif
 template <typename To, typename Tin, typename Acc, int V, int VG, int STORE>
 __global__ void __launch_bounds__(THREADS, WALK_BLOCKS) cc_walk(const Args a) {
@@ -570,13 +573,18 @@ __global__ void __launch_bounds__(THREADS, WALK_BLOCKS) cc_walk(const Args a) {
   // strides past 64 count every plane).
   u64 reach = 0;
   for (int ii = 0; ii < kh && sh <= 64; ++ii) reach |= 1ull << ((ii * dh) % sh);
+  // A block takes many items (the grid is a few waves, _plan.walk): what depends only on
+  // the launch is set up once. The items of phases 2 and 3, a thread's first and its step:
+  const Items items_t((tj0 + VT - 1) / VT, tj1), items_s(tj0, tj1 / V);
+  Items items_q(1, 1);  // phase 1's, for the tile's rows and vectors (nrow_q, nvec_q)
+  int nrow_q = 0, nvec_q = 0, tile_q = -1;  // tile_q: the tile whose zeros Q holds
   for (i64 id = blockIdx.x; id < a.n; id += gridDim.x) {
     // id = ((rank * nseg + seg) * ntile + tile) * B*G + (b*G + g)
-    i64 rest = id / BG;
-    const i64 bg = id - rest * BG, b = bg / a.G, g = bg - b * a.G;
-    const int tile = (int)(rest % ntile);
-    rest /= ntile;
-    const int rank = (int)(rest / nseg), seg = (int)(rest - (i64)rank * nseg);
+    i64 rest, bg, b, g, rs, tl;
+    divmod(id, BG, rest, bg);
+    divmod(bg, a.G, b, g);
+    divmod(rest, (i64)ntile, rs, tl);
+    const int tile = (int)tl, rank = (int)(rs / nseg), seg = (int)(rs - (i64)rank * nseg);
     const int di = rank == 0 ? 0 : (rank & 1 ? -(rank + 1) / 2 : rank / 2);
     const int L = Ho - (di < 0 ? -di : di), t_first = seg * seglen;
     if (t_first >= L) continue;  // (uniform across the block)
@@ -594,7 +602,17 @@ __global__ void __launch_bounds__(THREADS, WALK_BLOCKS) cc_walk(const Args a) {
     auto wanted = [&](int u) {  // plane u of Q is inside the input and read by some S_t
       return u >= ulo && u < uhi && (sh > 64 || ((reach >> (u % sh)) & 1));
     };
-    for (int e = TID; e < nq * hq * wq; e += NTHR) Q[e] = (Acc)0;
+    // Q's zeros (the padding) are those of the tile: written when the tile changes (Q's
+    // planes are whole 16-byte vectors: wq is a multiple of 4, Q 16-byte aligned)
+    if (tile != tile_q) {
+      tile_q = tile;
+      for (int e = TID; e < nq * hq * wq * (int)sizeof(Acc) / 16; e += NTHR)
+        reinterpret_cast<uint4*>(Q)[e] = uint4{0u, 0u, 0u, 0u};
+    }
+    if (nrow > 0 && nvec > 0 && (nrow != nrow_q || nvec != nvec_q)) {
+      nrow_q = nrow; nvec_q = nvec;
+      items_q = Items(nrow, nvec << lnch);
+    }
     for (int k = TID; k < (STORE || !a.csm ? 0 : (int)a.Cog); k += NTHR)
       cs[k] = c_of<Acc>(a, g * a.Cog + k);
     SYNC();
@@ -609,7 +627,7 @@ __global__ void __launch_bounds__(THREADS, WALK_BLOCKS) cc_walk(const Args a) {
         if (nrow > 0 && nvec > 0) {
           int pa = -1;
           bool ok = false;
-          for (Items w(nrow, nvec << lnch); w.a < nb; w.next()) {
+          for (Items w = items_q; w.a < nb; w.next()) {
             if (w.a != pa) { pa = w.a; ok = wanted(ub + pa); }
             if (!ok) continue;  // (uniform across an element's lanes, as the loop's test)
             const int ch = w.c & (nch - 1);
@@ -654,7 +672,7 @@ __global__ void __launch_bounds__(THREADS, WALK_BLOCKS) cc_walk(const Args a) {
         {
           int pa = -1, slot = 0;
           bool ok = false;
-          for (Items w((tj0 + VT - 1) / VT, tj1); w.a < nb; w.next()) {
+          for (Items w = items_t; w.a < nb; w.next()) {
             if (w.a != pa) {
               pa = w.a; ok = wanted(ub + pa); slot = sb + pa;
               if (slot >= nslot) slot -= nslot;
@@ -680,7 +698,7 @@ __global__ void __launch_bounds__(THREADS, WALK_BLOCKS) cc_walk(const Args a) {
       }
       // 3. S_t for t in [t0, t1), and out
       const int s0 = ((t0 - t_first) * sh) % nslot;
-      for (Items w(tj0, tj1 / V); w.a < t1 - t0; w.next()) {
+      for (Items w = items_s; w.a < t1 - t0; w.next()) {
         const int j0 = J0 + w.b, j1 = J1 + w.c * V, i0 = i0d + t0 + w.a, i1 = i0 + di;
         if (j0 >= Wo || j1 >= Wo) continue;
         int sl = s0 + w.a * sh;
@@ -1094,7 +1112,7 @@ class CupyBackend(Backend):
 
     def __init__(self):
         self._lock = threading.Lock()  # guards compilation and the caches' first fill
-        self._modules = {}  # family -> cupy.RawModule
+        self._modules = {}  # name expression -> cupy.RawModule
         self._functions = {}  # (name expression, device) -> cupy.RawKernel loaded there
         self._plans = {}  # call signature (no pointers) -> _Plan
         self._device_info = {}  # device -> (multiprocessors, threads per multiprocessor)
@@ -1118,18 +1136,18 @@ class CupyBackend(Backend):
 
     # ------------------------------------------------------------ compilation
     def _function(self, name, family, dev):
-        """The kernel ``name`` (a ``cupy.RawKernel`` of its family's ``RawModule``), loaded
-        on device ``dev`` (current), compiling once."""
+        """The kernel ``name`` (a ``cupy.RawKernel``; one of its ``family``'s
+        instantiations), loaded on device ``dev`` (current), compiling once."""
         f = self._functions.get((name, dev))
         if f is None:
             with self._lock:
                 f = self._functions.get((name, dev))
                 if f is None:
-                    mod = self._modules.get(family)
-                    if mod is None:
+                    mod = self._modules.get(name)
+                    if mod is None:  # a module a kernel: a call compiles only what it runs
                         mod = self._cp.RawModule(code=SOURCE, options=_OPTIONS,
-                                                 name_expressions=_family_names(family))
-                        self._modules[family] = mod
+                                                 name_expressions=[name])
+                        self._modules[name] = mod
                     f = mod.get_function(name)  # compiles (once) and loads on dev
                     self._functions[(name, dev)] = f
         return f
