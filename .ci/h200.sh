@@ -15,7 +15,14 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=index,name,driver_version,memory.total,clocks.sm --format=csv
 python3 -c "import numpy, torch, cupy, numba, numba_cuda; print('numpy', numpy.__version__, 'torch', torch.__version__, 'cupy', cupy.__version__, 'numba', numba.__version__, 'numba-cuda', numba_cuda.__version__)"
 python3 -m convcov.cli info
-CONVCOV_HYPOTHESIS_PROFILE=${PROFILE:-gpu} timeout ${TEST_TIMEOUT:-300} \
-    python3 -m pytest -q -p no:cacheprovider -x -rs "$@" 2>&1 | tee "$OUT/pytest.log"
+# The property test first (a run stopped by TEST_TIMEOUT has checked every backend), then
+# the rest in what is left of TEST_TIMEOUT.
+export CONVCOV_HYPOTHESIS_PROFILE=${PROFILE:-gpu}
+T0=$SECONDS
+timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -x -rs \
+    tests/test_properties.py "$@" 2>&1 | tee "$OUT/pytest.log"
+LEFT=$(( ${TEST_TIMEOUT:-300} - (SECONDS - T0) ))
+timeout $(( LEFT > 1 ? LEFT : 1 )) python3 -m pytest -q -p no:cacheprovider -x -rs \
+    --ignore=tests/test_properties.py "$@" 2>&1 | tee -a "$OUT/pytest.log"
 [ -n "${SKIP_BENCH:-}" ] || timeout ${BENCH_TIMEOUT:-400} python3 -m convcov.cli bench --grad \
     --device cuda --json "$OUT/bench-h200.json" 2>&1 | tee "$OUT/bench.log"
