@@ -576,8 +576,8 @@ __global__ void __launch_bounds__(THREADS, WALK_BLOCKS) cc_walk(const Args a) {
   // A block takes many items (the grid is a few waves, _plan.walk): what depends only on
   // the launch is set up once. The items of phases 2 and 3, a thread's first and its step:
   const Items items_t((tj0 + VT - 1) / VT, tj1), items_s(tj0, tj1 / V);
-  Items items_q(1, 1);  // phase 1's, for the tile's rows and vectors (nrow_q, nvec_q)
-  int nrow_q = 0, nvec_q = 0, tile_q = -1;  // tile_q: the tile whose zeros Q holds
+  Items items_q(1, 1);  // phase 1's: the tile's rows and vectors
+  int tile_q = -1;  // the tile whose zeros Q holds and whose rows items_q takes
   for (i64 id = blockIdx.x; id < a.n; id += gridDim.x) {
     // id = ((rank * nseg + seg) * ntile + tile) * B*G + (b*G + g)
     i64 rest, bg, b, g, rs, tl;
@@ -602,16 +602,13 @@ __global__ void __launch_bounds__(THREADS, WALK_BLOCKS) cc_walk(const Args a) {
     auto wanted = [&](int u) {  // plane u of Q is inside the input and read by some S_t
       return u >= ulo && u < uhi && (sh > 64 || ((reach >> (u % sh)) & 1));
     };
-    // Q's zeros (the padding) are those of the tile: written when the tile changes (Q's
-    // planes are whole 16-byte vectors: wq is a multiple of 4, Q 16-byte aligned)
+    // Q's zeros (the padding) and phase 1's items are those of the tile: set when the
+    // tile changes (Q's planes are whole 16-byte vectors: wq a multiple of 4, Q aligned)
     if (tile != tile_q) {
       tile_q = tile;
       for (int e = TID; e < nq * hq * wq * (int)sizeof(Acc) / 16; e += NTHR)
         reinterpret_cast<uint4*>(Q)[e] = uint4{0u, 0u, 0u, 0u};
-    }
-    if (nrow > 0 && nvec > 0 && (nrow != nrow_q || nvec != nvec_q)) {
-      nrow_q = nrow; nvec_q = nvec;
-      items_q = Items(nrow, nvec << lnch);
+      if (nrow > 0 && nvec > 0) items_q = Items(nrow, nvec << lnch);
     }
     for (int k = TID; k < (STORE || !a.csm ? 0 : (int)a.Cog); k += NTHR)
       cs[k] = c_of<Acc>(a, g * a.Cog + k);
