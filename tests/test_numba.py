@@ -439,21 +439,36 @@ def test_segments_and_prefetching(monkeypatch, dtype, stride):
         np.testing.assert_allclose(got, exact, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
-def test_result_apart_from_out(dtype):
+@pytest.mark.parametrize("streamed", [False, True], ids=["cached", "streamed"])
+@pytest.mark.parametrize("dtype,gamma_dtype", [(np.float32, np.float32), (np.float16, np.float16),
+                                               (np.float64, np.float64),
+                                               (np.float32, np.float64)])
+def test_result_apart_from_out(monkeypatch, dtype, gamma_dtype, streamed):
     """accumulate_apart (dask's tasks): the result goes to another array, out is only
-    read; the same bits as the call in place."""
+    read; the same bits as the call in place, wherever the result lies in memory (its
+    rows cut by cache lines anywhere, or its elements off their size) and whether it is
+    streamed (non-temporal stores, as results of many MiB are) or not."""
     from convcov import _frontend
+    from convcov.backends import numba as nbb
 
+    if streamed:
+        monkeypatch.setattr(nbb, "STREAM_FROM_BYTES", 0)
     rng = np.random.default_rng(16)
-    out, g, mu, c, k, kw = _problem(rng, dtype=dtype, **CASES["dilation-groups"])
+    case = dict(CASES["dilation-groups"], H=13, W=21)  # rows of 15 * 21 elements: lines cut them
+    out, g, mu, c, k, kw = _problem(rng, dtype=dtype, **case)
     out = np.ascontiguousarray(out[:, :, :, :, 0])  # the diagonal layout
+    g = g.astype(gamma_dtype)
     before = out.copy()
     want = convcov.accumulate(out.copy(), g, mu, c, k, backend="numba", **kw)
     conv = (k, kw["stride"], kw["padding"], kw["dilation"], kw["groups"])
-    new = _frontend.accumulate_apart(np.full_like(out, np.nan), out, g, mu, c, *conv, "numba")
-    np.testing.assert_array_equal(out, before)
-    np.testing.assert_array_equal(new, want)
+    buf = np.empty(out.nbytes + 128, np.uint8)
+    for shift in range(0, 64 + 1, out.itemsize if dtype == np.float64 else 2):
+        new = buf[shift:shift + out.nbytes].view(dtype).reshape(out.shape)
+        new[...] = np.nan
+        got = _frontend.accumulate_apart(new, out, g, mu, c, *conv, "numba")
+        assert got is new
+        np.testing.assert_array_equal(out, before)
+        np.testing.assert_array_equal(new, want, err_msg=f"result at byte {shift}")
 
 
 def test_scalar_c_beyond_float32_does_not_make_nan():

@@ -171,6 +171,59 @@ def _store_fence(typingctx):
     return types.none(), codegen
 
 
+@intrinsic
+def _addr(typingctx, ptr):
+    """The address ``ptr`` holds, in bytes."""
+    if not isinstance(ptr, types.CPointer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.ptrtoint(args[0], ir.IntType(64))
+
+    return types.int64(ptr), codegen
+
+
+#: Bytes a non-temporal vector store writes: one cache line.
+_LINE = 64
+
+
+@intrinsic
+def _update_nt(typingctx, w, p, k, s, cc):
+    """``w[k + e] = p[k + e] + cc * s[e]`` for one cache line of w's elements (float32 or
+    float64; s and cc in the accumulation dtype, rounded once into w's), as vectors: one
+    non-temporal store of the line ``w + k`` (64-byte aligned), no read-for-ownership. The
+    same arithmetic, element by element, as the scalar update (no contraction)."""
+    if not (isinstance(w, types.CPointer) and w.dtype in (types.float32, types.float64)
+            and p == w and isinstance(s, types.CPointer) and cc == s.dtype):
+        return None
+    n = _LINE // (w.dtype.bitwidth // 8)
+
+    def codegen(context, builder, sig, args):
+        wp, pp, k, sp, c = args
+        ot, at = context.get_value_type(w.dtype), context.get_value_type(s.dtype)
+        ov, av = ir.VectorType(ot, n), ir.VectorType(at, n)
+        pv = builder.load(builder.bitcast(builder.gep(pp, [k]), ov.as_pointer()), align=1)
+        sv = builder.load(builder.bitcast(sp, av.as_pointer()), align=1)
+        cv = builder.insert_element(ir.Constant(av, ir.Undefined), c, ir.IntType(32)(0))
+        cv = builder.shuffle_vector(cv, ir.Constant(av, ir.Undefined),
+                                    ir.Constant(ir.VectorType(ir.IntType(32), n), [0] * n))
+        prod = builder.fmul(cv, sv)
+        # the sum in the wider of the two dtypes, as the scalar update's promotion
+        if w.dtype.bitwidth > s.dtype.bitwidth:
+            prod = builder.fpext(prod, ov)
+        elif w.dtype.bitwidth < s.dtype.bitwidth:
+            pv = builder.fpext(pv, av)
+        r = builder.fadd(pv, prod)
+        if w.dtype.bitwidth < s.dtype.bitwidth:
+            r = builder.fptrunc(r, ov)
+        st = builder.store(r, builder.bitcast(builder.gep(wp, [k]), ov.as_pointer()),
+                           align=_LINE)
+        st.set_metadata("nontemporal", builder.module.add_metadata([ir.IntType(32)(1)]))
+        return context.get_dummy_value()
+
+    return types.none(w, p, k, s, cc), codegen
+
+
 def _prefetcher(write):
     """An intrinsic ``prefetch(ptr, k)``: ask for the cache line of ``ptr[k]``, to be read
     (prefetcht0) or written (prefetchw). For short runs far apart, which the hardware
@@ -535,15 +588,17 @@ def _sum_runs(dst, nr, dp, n, src, sp, at, k, step):
                 d[e] += (s0[e * step] + s1[e * step]) + (s2[e * step] + s3[e * step])
 
 
-def _out_adder(dec, enc):
-    """A compiled ``add_out`` with the decoder and encoder of out's dtype built in."""
+def _out_adder(dec, enc, streams):
+    """A compiled ``add_out`` with the decoder and encoder of out's dtype built in;
+    ``streams``: whether out's dtype has the non-temporal update (float32, float64)."""
 
-    def add_out(p, w, off, n0, s0, n1, s1, n2, s2, src, cc, apart, pf, nxt, line):
+    def add_out(p, w, off, n0, s0, n1, s1, n2, s2, src, cc, apart, pf, nxt, line, nt):
         """``w[k] = enc(dec(p[k]) + cc * src[(a*n1 + b)*n2 + e])``, ``k = off + a*s0 + b*s1 +
         e*s2`` over a < n0, b < n1, e < n2: out's block [b, c0, i0], its dims (j0, i1, j1)
         merged where contiguous (S's block is contiguous), rounded once; in place unless
         ``apart``. ``pf``: prefetch (for writing) the run that many runs ahead, on into
-        the next block at ``off + nxt`` (``line``: elements a cache line)."""
+        the next block at ``off + nxt`` (``line``: elements a cache line). ``nt`` (apart
+        only): contiguous runs written a cache line at a time, non-temporally."""
         R = n0 * n1
         for row in range(R):
             if pf and (row + pf < R or nxt):
@@ -553,7 +608,17 @@ def _out_adder(dec, enc):
                     _prefetch_write(w, k + e)
             o, s = off + row // n1 * s0 + row % n1 * s1, _offset(src, row * n2)
             if apart:
-                for e in range(n2):
+                done = 0
+                if streams and nt and s2 == 1:
+                    # up to w's first whole line, then whole lines (w's lines are
+                    # element-aligned: the caller checked)
+                    done = min(n2, (-_addr(_offset(w, o)) & (_LINE - 1)) // (_LINE // line))
+                    for e in range(done):
+                        w[o + e] = enc(dec(p[o + e]) + cc * s[e])
+                    while done + line <= n2:
+                        _update_nt(w, p, o + done, _offset(s, done), cc)
+                        done += line
+                for e in range(done, n2):
                     w[o + e * s2] = enc(dec(p[o + e * s2]) + cc * s[e])
             else:
                 for e in range(n2):
@@ -562,38 +627,39 @@ def _out_adder(dec, enc):
     return njit(**_inner)(add_out)
 
 
-_add_out_f32 = _out_adder(_keep, _f32_encode)
-_add_out_f64 = _out_adder(_keep, _f64_encode)
-_add_out_f16 = _out_adder(_f16_decode, _f16_encode)
-_add_out_bf16 = _out_adder(_bf16_decode, _bf16_encode)
+_add_out_f32 = _out_adder(_keep, _f32_encode, True)
+_add_out_f64 = _out_adder(_keep, _f64_encode, True)
+_add_out_f16 = _out_adder(_f16_decode, _f16_encode, False)
+_add_out_bf16 = _out_adder(_bf16_decode, _bf16_encode, False)
 
 
 @njit(**_inner)
-def _add_out_any(code, addr, waddr, off, n0, s0, n1, s1, n2, s2, src, cc, pf, nxt):
+def _add_out_any(code, addr, waddr, off, n0, s0, n1, s1, n2, s2, src, cc, pf, nxt, nt):
     a = waddr != addr
     if code == F32:
         _add_out_f32(_f32_at(addr), _f32_at(waddr), off, n0, s0, n1, s1, n2, s2, src, cc, a,
-                     pf, nxt, 16)
+                     pf, nxt, 16, nt)
     elif code == F64:
         _add_out_f64(_f64_at(addr), _f64_at(waddr), off, n0, s0, n1, s1, n2, s2, src, cc, a,
-                     pf, nxt, 8)
+                     pf, nxt, 8, nt)
     elif code == F16:
         _add_out_f16(_u16_at(addr), _u16_at(waddr), off, n0, s0, n1, s1, n2, s2, src, cc, a,
-                     pf, nxt, 32)
+                     pf, nxt, 32, nt)
     else:
         _add_out_bf16(_u16_at(addr), _u16_at(waddr), off, n0, s0, n1, s1, n2, s2, src, cc, a,
-                      pf, nxt, 32)
+                      pf, nxt, 32, nt)
 
 
 # The kernel's integer arguments, in the order of its ``prm`` vector (one int64 array:
 # Numba types one array argument faster than forty integers). Addresses are in bytes,
 # strides in elements; gamma's strides are those of its channel diagonal; out's block
 # [b, c0, i0] is (n0, s0) x (n1, s1) x (n2, s2), its dims (j0, i1, j1) merged where
-# contiguous; pf: out's runs prefetched ahead (0: none).
+# contiguous; pf: out's runs prefetched ahead (0: none); nt: a result written apart from
+# out is streamed (non-temporal stores).
 _PRM = ("B G Cg Cog H W Ho Wo kh kw sh sw ph pw dh dw nseg seglen "
         "o_addr o_code o_b o_c o_i0 n0 s0 n1 s1 n2 s2 pf w_addr "
         "g_addr g_code g_b g_c g_x0 g_y0 g_x1 g_y1 "
-        "m_addr m_code m_b m_c m_x m_y c_addr c_code c_s pf_g pf_x").split()
+        "m_addr m_code m_b m_c m_x m_y c_addr c_code c_s pf_g pf_x nt").split()
 
 
 def _kernel(prm, c_value, proto):
@@ -608,7 +674,7 @@ def _kernel(prm, c_value, proto):
     g_addr, g_code, g_b, g_c, g_x0, g_y0, g_x1, g_y1 = (prm[31], prm[32], prm[33], prm[34],
                                                           prm[35], prm[36], prm[37], prm[38])
     m_addr, m_code, m_b, m_c, m_x, m_y = prm[39], prm[40], prm[41], prm[42], prm[43], prm[44]
-    c_addr, c_code, c_s, pf_g, pf_x = prm[45], prm[46], prm[47], prm[48], prm[49]
+    c_addr, c_code, c_s, pf_g, pf_x, nt = prm[45], prm[46], prm[47], prm[48], prm[49], prm[50]
     # Q[y][X][y1] (y: a row y0 that windows read, or 0, a zero row for the padding; x1 =
     # X*sh + r, the rows of x0's residue r modulo sh) has rows of pitch Wq = sw*PT, and
     # T[j0][X][j1] rows of pitch PT: then for each j0 the row filter over all X is kw runs
@@ -744,7 +810,9 @@ def _kernel(prm, c_value, proto):
                 nxt = (o_c if c0 + 1 < (g + 1) * Cog else
                        (o_i0 - (Cog - 1) * o_c if i0 + 1 < i0b else 0))
                 _add_out_any(o_code, o_addr, w_addr, b * o_b + c0 * o_c + i0 * o_i0,
-                             n0, s0, n1, s1, n2, s2, s, cc, pf, nxt)
+                             n0, s0, n1, s1, n2, s2, s, cc, pf, nxt, nt)
+        if nt:
+            _store_fence()  # the item's streamed lines, visible before the region ends
         # Raw pointers hold no reference: use the buffers last, so that Numba keeps them.
         mu_buf[0] = q_buf[0] = t_buf[0] = s_buf[0] = 0
         i_buf[0] = 0
@@ -1121,11 +1189,14 @@ PREFETCH_FROM_BYTES = 8 << 20
 #: The backward's chunk of grad_S + grad_S^T, in bytes.
 CHUNK_BYTES = 4 << 20
 #: From this many bytes of grad_gamma's channel diagonal on, the backward writes it with
-#: non-temporal stores (measured on the ``cpu`` shapes, docs/numba.md).
+#: non-temporal stores (measured on the ``cpu`` shapes, docs/numba.md); so does
+#: accumulate_apart its result from this many bytes of out's diagonal on.
 STREAM_FROM_BYTES = 8 << 20
 
-_O_ADDR, _G_ADDR, _M_ADDR, _C_ADDR, _W_ADDR = (
-    _PRM.index(n) for n in ("o_addr", "g_addr", "m_addr", "c_addr", "w_addr"))
+_O_ADDR, _G_ADDR, _M_ADDR, _C_ADDR, _W_ADDR, _O_CODE, _PF, _NT = (
+    _PRM.index(n) for n in ("o_addr", "g_addr", "m_addr", "c_addr", "w_addr", "o_code", "pf",
+                            "nt"))
+_DTYPE = {v: k for k, v in _CODE.items()}
 _PROTO = {"float32": np.zeros(1, np.float32), "float64": np.zeros(1, np.float64)}
 
 
@@ -1183,10 +1254,15 @@ def _params(p):
             p.diagonal_bytes()[0] >= PREFETCH_FROM_BYTES and p.Ci // p.G * -(-p.H // p.sh)
             * p.W * p.W * _ITEMSIZE[gi.dtype] <= NEXT_ROW_BYTES):
         pf_x = _ITEMSIZE[gi.dtype]
+    # A result written apart from out (accumulate_apart) is streamed where it is contiguous
+    # runs of float32 or float64 too large for the cache.
+    nt = int(o.dtype in ("float32", "float64") and dims[2][1] == 1
+             and p.diagonal_bytes()[1] >= STREAM_FROM_BYTES)
     prm = np.array((p.B, p.G, p.Ci // p.G, p.Co // p.G, p.H, p.W, p.Ho, p.Wo, p.kh, p.kw,
                     p.sh, p.sw, p.ph, p.pw, p.dh, p.dw, nseg, seglen,
                     0, _CODE[o.dtype], o_b, o_c, o_i0, *(v for d in dims for v in d), pf, 0,
-                    *g_part, 0, _CODE[m.dtype], *m.strides, *c_part, pf_g, pf_x), np.int64)
+                    *g_part, 0, _CODE[m.dtype], *m.strides, *c_part, pf_g, pf_x, nt),
+                   np.int64)
     assert len(prm) == len(_PRM)
     acc = np.float64 if p.acc == "float64" else np.float32
     return prm, acc, _PROTO[p.acc]
@@ -1200,6 +1276,10 @@ def _accumulate_at(prms, optr, gptr, mptr, cptr, c_value, wptr=None):
     prm = prm.copy()
     prm[_O_ADDR], prm[_G_ADDR], prm[_M_ADDR], prm[_C_ADDR] = optr, gptr, mptr, cptr
     prm[_W_ADDR] = optr if wptr is None else wptr
+    if wptr is None or wptr % _ITEMSIZE[_DTYPE[prm[_O_CODE]]]:
+        prm[_NT] = 0  # in place, or out's elements not aligned to their size
+    elif prm[_NT]:
+        prm[_PF] = 0  # streamed lines are not fetched
     _call(_parallel, _serial, prm, acc(c_value), proto)
 
 
