@@ -56,6 +56,13 @@ _VIEW_ENTRIES = 1 << 25
 #: batched over the riding index (:func:`_carried`), not as cuDNN's grouped 3-D one:
 #: depthwise 24.1 -> 19.6 ms on the H200; on the host 1.15x slower.
 UNGROUPED_ON = ("cuda",)
+#: Devices whose full layout of a layer of one input channel a group (depthwise) is
+#: matrix products with each output channel's dense convolution matrix
+#: (:func:`_depthwise_dense`), not two grouped convolutions: on the 2-core host the two
+#: convolutions of depthwise 8x8 (32 channels) take 88 -> 28 ms, 16x16 (16) 204 -> 88 ms
+#: (oneDNN's depthwise convolutions run far below the matrix products' rate there,
+#: despite the products' P / (kh kw) times the FLOPs).
+DENSE_DEPTHWISE_ON = ("cpu",)
 
 
 @dataclass
@@ -245,6 +252,12 @@ class _NumpyOps:
     def einsum(self, spec, *xs):
         return np.einsum(spec, *xs, optimize=True)
 
+    def matmul(self, a, b, out=None):
+        return np.matmul(a, b, out=out)
+
+    def cat(self, xs, axis):
+        return np.concatenate(xs, axis)
+
     def where(self, mask, x):
         """``x`` where ``mask``, else 0 (never ``x * 0``: a NaN or Inf outside stays out)."""
         return np.where(mask, x, 0)
@@ -300,11 +313,19 @@ class _NumpyOps:
         return y.reshape(N, Co, *out)
 
     def symmetric(self, A, out):
-        """``(A + A^T) / 2`` of a stack of square matrices ``(N, r, r)``, rounded once into
-        ``out`` (a new array when None). The transposed copy goes in column strips (each
-        read is contiguous); the add is then contiguous: bitwise symmetric, as addition
-        commutes."""
+        """``(A + A^T) / 2`` of a stack of square matrices ``(N, r, r)`` (``A`` the caller's
+        own: it may be overwritten), rounded once into ``out`` (a new array when None):
+        bitwise symmetric, as addition commutes. On the host by the numba backend's tiles
+        (:func:`convcov.backends.numba.symmetrize`: in place, or straight into out), 3-5x
+        faster than strided copies; elsewhere the transposed copy goes in column strips
+        (each read is contiguous) and the add is then contiguous."""
         direct = out is not None and out.dtype == self.dtype and self._c_contiguous(out)
+        if self.device_type == "cpu" and not self.grad(A, out) and self._c_contiguous(A):
+            from .backends import numba as _numba
+
+            dst = out.reshape(A.shape) if direct else A
+            _numba.symmetrize(self.host(A), self.host(dst))
+            return self.result(dst, out) if out is not None and not direct else dst
         dst = out.reshape(A.shape) if direct else self.empty(A.shape)
         for i in range(0, A.shape[1], 512):
             dst[:, :, i:i + 512] = self.perm(A[:, i:i + 512], (0, 2, 1))
@@ -315,6 +336,11 @@ class _NumpyOps:
     @staticmethod
     def _c_contiguous(x):
         return x.flags.c_contiguous
+
+    @staticmethod
+    def host(x):
+        """``x`` as a NumPy array of its memory (the host's kernels take NumPy arrays)."""
+        return x
 
     def result(self, x, out):
         if out is None:
@@ -352,6 +378,12 @@ class _TorchOps(_NumpyOps):
     def einsum(self, spec, *xs):
         return self.torch.einsum(spec, *xs)
 
+    def matmul(self, a, b, out=None):
+        return self.torch.matmul(a, b, out=out)
+
+    def cat(self, xs, axis):
+        return self.torch.cat(xs, axis)
+
     def where(self, mask, x):
         return self.torch.where(mask, x, 0)
 
@@ -384,6 +416,8 @@ class _TorchOps(_NumpyOps):
         if self.grad(A, out):
             S = ((A + A.transpose(1, 2)) * 0.5).contiguous()
             return S if out is None else out.copy_(S.reshape(out.shape))
+        if self.device_type == "cpu" and A.is_contiguous():
+            return super().symmetric(A, out)
         # As NumPy's, with the halving fused into both passes: 0.5 a + 0.5 b is exactly
         # (a + b) / 2 rounded once (scaling by 0.5 is exact), and commutes.
         direct = out is not None and out.dtype == self.dtype and out.is_contiguous()
@@ -396,6 +430,10 @@ class _TorchOps(_NumpyOps):
     @staticmethod
     def _c_contiguous(x):
         return x.is_contiguous()
+
+    @staticmethod
+    def host(x):
+        return x.numpy()
 
     def result(self, x, out):
         return x.contiguous() if out is None else out.copy_(x.reshape(out.shape))
@@ -546,6 +584,8 @@ def _carried(o, call, g, w):
         return _carried_variances(o, call, g, w)
     if form == "var":
         g, form = _embed(o, call, g), "diag"
+    if form == "full" and layout == "full" and Cg == 1 and o.device_type in DENSE_DEPTHWISE_ON:
+        return _depthwise_dense(o, call, g, w)
     if form == "full":
         # The right index first, the left one as the batch: T[b, left, c1, q].
         if layout == "full" or G == 1:
@@ -584,6 +624,32 @@ def _carried(o, call, g, w):
         X2 = o.perm(T, (0, 1, 3, 2, 4, 5, 6))  # (B, (g, j) = c0, cl, H, W, q)
     # The left index for output channel c0 alone: one group per output channel.
     return _per_channel(o, call, X2, w5).reshape(call.out_shape("diag"))
+
+
+def _depthwise_dense(o, call, g, w):
+    """``K gamma K^T`` in the full layout for one input channel a group (``Cg = 1``), as
+    two batched matrix products with each output channel's convolution matrix ``K_c``
+    ``(Q, P)``: ``[b, c0, :, c1, :] = K_c0 gamma[b, c0 // Cpg, :, c1 // Cpg, :] K_c1^T``.
+    ``K_c`` is the convolution of the unit images (every padding, stride and dilation
+    is the convolution's own), so its entries are the weights themselves."""
+    B, G, Co, H, W = call.B, call.G, call.Co, call.H, call.W
+    P, CQ = H * W, Co // G * call.Ho * call.Wo
+    units = o.zeros((P, G, P))
+    ar = o.arange(P)
+    units[ar, :, ar] = 1
+    Kt = o.conv(units.reshape(P, G, H, W, 1), w[..., None], G, call.last)  # [p, (c, q)]
+    K = o.perm(Kt.reshape(P, G, CQ), (1, 2, 0))  # [g, (j, q), p]: output channel g*Cpg + j
+    # The right index first, T[(b, g0, p0), (g1, j1, q1)]: a product per column channel g1,
+    # each into its own columns of T, so that the second needs no transposed copy.
+    X, Kt = g.reshape(B * G * P, G, P), o.perm(K, (0, 2, 1))
+    if o.grad(g, w):  # products into views are not differentiable: joined instead
+        T = o.cat([o.matmul(X[:, g1], Kt[g1]) for g1 in range(G)], 1)
+    else:
+        T = o.empty((B * G * P, G * CQ))
+        for g1 in range(G):
+            o.matmul(X[:, g1], Kt[g1], out=T[:, g1 * CQ:(g1 + 1) * CQ])
+    # then the left one, whose result is in the full layout's order [b, g0, (j0, q0), g1, ...]
+    return o.matmul(K, T.reshape(B, G, P, G * CQ)).reshape(call.out_shape("full"))
 
 
 def _per_channel(o, call, X2, w5):

@@ -139,6 +139,7 @@ def problem(rng, B, Ci, Co, G, H, W, k, form, c_form, cb_form, sym=True):
 GEOMETRIES = {  # (B, Ci, Co, G, H, W, k, stride, padding, dilation)
     "plain": (2, 2, 3, 1, 4, 4, (2, 2), (1, 1), (0, 0), (1, 1)),
     "stride-pad-dil-groups": (1, 4, 2, 2, 5, 6, (3, 2), (2, 1), (1, 1), (1, 2)),
+    "depthwise-multiplier": (2, 2, 4, 2, 5, 4, (3, 2), (2, 1), (1, 0), (1, 2)),
 }
 
 
@@ -220,13 +221,16 @@ def test_random_problems_match_the_definition(data):
         dts.append(out_dt)
     geo = dict(stride=s, padding=p, dilation=d, groups=G)
     # CUDA's ways here too: the variances gathered by window blocks (not by offset pairs),
-    # a grouped full layout's second convolution not grouped (moments.UNGROUPED_ON)
+    # a grouped full layout's second convolution not grouped (moments.UNGROUPED_ON), a
+    # depthwise full layout by convolutions, not dense matrices (moments.DENSE_DEPTHWISE_ON)
     # (the variances' inner rectangle a strided view or gathered; chunks of one row or all)
     cuda_ways = ("cpu",) if draw(st.booleans(), label="CUDA's ways") else ()
+    host_ways = ("cpu",) if not cuda_ways else ()
     view_from = draw(st.sampled_from((0, 1 << 62)), label="view from")
     chunk = draw(st.sampled_from((1, 1 << 26)), label="entries a chunk")
     with mock.patch.object(moments, "GATHER_ON", cuda_ways), \
             mock.patch.object(moments, "UNGROUPED_ON", cuda_ways), \
+            mock.patch.object(moments, "DENSE_DEPTHWISE_ON", host_ways), \
             mock.patch.object(moments, "_VIEW_ENTRIES", view_from), \
             mock.patch.object(moments, "_GATHER_ENTRIES", chunk):
         mo, go = convcov.conv2d_moments(args["mu"], args["gamma"], args["weight"],
@@ -533,6 +537,7 @@ def test_gradcheck_in_every_input(form, layout, c_form, cuda_ways, monkeypatch):
     """In float64, with CUDA's ways (see the property test) and the host's."""
     monkeypatch.setattr(moments, "GATHER_ON", ("cpu",) if cuda_ways else ())
     monkeypatch.setattr(moments, "UNGROUPED_ON", ("cpu",) if cuda_ways else ())
+    monkeypatch.setattr(moments, "DENSE_DEPTHWISE_ON", () if cuda_ways else ("cpu",))
     monkeypatch.setattr(moments, "_VIEW_ENTRIES", 0)  # the inner positions viewed
     rng = np.random.default_rng(0)
     G = 2 if layout == "diag" or cuda_ways else 1
@@ -547,6 +552,26 @@ def test_gradcheck_in_every_input(form, layout, c_form, cuda_ways, monkeypatch):
         return convcov.conv2d_moments(kw["mu"], kw.get("gamma"), kw["weight"], kw["bias"],
                                       kw["c"], c_bias=kw["c_bias"], padding=1, groups=G,
                                       out_layout=layout, backend="numpy")
+
+    assert torch.autograd.gradcheck(f, ts)
+
+
+@pytest.mark.parametrize("dense", [True, False], ids=["dense", "convolutions"])
+def test_gradcheck_depthwise_full_layout(dense, monkeypatch):
+    """A layer of one input channel a group, two output channels each, stride 2 and
+    dilation: the full layout by dense convolution matrices (the host's way) and by
+    grouped convolutions, gradients in every input."""
+    monkeypatch.setattr(moments, "DENSE_DEPTHWISE_ON", ("cpu",) if dense else ())
+    a = problem(np.random.default_rng(1), 1, 2, 4, 2, 5, 4, (3, 2), "full", "weight",
+                "channel")
+    names = [k for k, v in a.items() if v is not None]
+    ts = [torch.from_numpy(np.asarray(a[k])).requires_grad_() for k in names]
+
+    def f(*xs):
+        kw = dict(zip(names, xs))
+        return convcov.conv2d_moments(kw["mu"], kw["gamma"], kw["weight"], kw["bias"], kw["c"],
+                                      c_bias=kw["c_bias"], stride=(2, 1), padding=(1, 0),
+                                      dilation=(1, 2), groups=2, backend="numpy")
 
     assert torch.autograd.gradcheck(f, ts)
 
