@@ -412,6 +412,26 @@ def test_non_finite_values_propagate_like_the_reference(case):
     np.testing.assert_allclose(got[fin], ref[fin], rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3])
+@pytest.mark.parametrize("full", [False, True], ids=["diag", "full"])
+def test_rows_of_S_kept_before_the_update(monkeypatch, rows, full):
+    """S's rows i0 formed a few at a time before each output channel's rows are updated
+    in turn (S_ROWS_BYTES): one row, or a number that does not divide the 7 rows; both
+    layouts, out's runs prefetched across the rows and channels."""
+    from convcov import _frontend
+
+    monkeypatch.setattr(_frontend, "_bound", {})
+    monkeypatch.setattr(nbb, "PREFETCH_FROM_BYTES", 0)
+    monkeypatch.setattr(nbb, "PREFETCH_BYTES", 64)
+    case = dict(B=1, Ci=4, Co=6, H=8, W=5, k=(2, 3), padding=(0, 1), groups=2, full=full)
+    out, g, mu, c, k, kw = _problem(np.random.default_rng(21), dtype=np.float64, **case)
+    Ho, Wo = 7, 5
+    monkeypatch.setattr(nbb, "S_ROWS_BYTES", rows * Wo * Ho * Wo * 8)
+    exact = op_slow(out, g, mu, c, k, **kw)
+    got = convcov.accumulate(out.copy(), g, mu, c, k, backend="numba", **kw)
+    np.testing.assert_allclose(got, exact, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("stride", [(2, 1), (1, 2), (4, 3)], ids=["rows", "columns", "gaps"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
 def test_segments_and_prefetching(monkeypatch, dtype, stride):
