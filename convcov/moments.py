@@ -637,8 +637,8 @@ def _depthwise_dense(o, call, g, w):
     units = o.zeros((P, G, P))
     ar = o.arange(P)
     units[ar, :, ar] = 1
-    Kt = o.conv(units.reshape(P, G, H, W, 1), w[..., None], G, call.last)  # [p, (c, q)]
-    K = o.perm(Kt.reshape(P, G, CQ), (1, 2, 0))  # [g, (j, q), p]: output channel g*Cpg + j
+    U = o.conv(units.reshape(P, G, H, W, 1), w[..., None], G, call.last)  # [p, (c, q)]
+    K = o.perm(U.reshape(P, G, CQ), (1, 2, 0))  # [g, (j, q), p]: output channel g*Cpg + j
     # The right index first, T[(b, g0, p0), (g1, j1, q1)]: a product per column channel g1,
     # each into its own columns of T, so that the second needs no transposed copy.
     X, Kt = g.reshape(B * G * P, G, P), o.perm(K, (0, 2, 1))

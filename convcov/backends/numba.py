@@ -657,7 +657,7 @@ def _add_out_any(code, addr, waddr, off, n0, s0, n1, s1, n2, s2, src, cc, pf, nx
 # strides in elements; gamma's strides are those of its channel diagonal; out's block
 # [b, c0, i0] is (n0, s0) x (n1, s1) x (n2, s2), its dims (j0, i1, j1) merged where
 # contiguous; pf: out's runs prefetched ahead (0: none); nt: a result written apart from
-# out is streamed (non-temporal stores).
+# out is streamed (non-temporal stores; out's item size, 0: not streamed).
 _PRM = ("B G Cg Cog H W Ho Wo kh kw sh sw ph pw dh dw nseg seglen "
         "o_addr o_code o_b o_c o_i0 n0 s0 n1 s1 n2 s2 pf w_addr "
         "g_addr g_code g_b g_c g_x0 g_y0 g_x1 g_y1 "
@@ -1243,10 +1243,8 @@ CHUNK_BYTES = 4 << 20
 #: accumulate_apart its result from this many bytes of out's diagonal on.
 STREAM_FROM_BYTES = 8 << 20
 
-_O_ADDR, _G_ADDR, _M_ADDR, _C_ADDR, _W_ADDR, _O_CODE, _PF, _NT = (
-    _PRM.index(n) for n in ("o_addr", "g_addr", "m_addr", "c_addr", "w_addr", "o_code", "pf",
-                            "nt"))
-_DTYPE = {v: k for k, v in _CODE.items()}
+_O_ADDR, _G_ADDR, _M_ADDR, _C_ADDR, _W_ADDR, _PF, _NT = (
+    _PRM.index(n) for n in ("o_addr", "g_addr", "m_addr", "c_addr", "w_addr", "pf", "nt"))
 _PROTO = {"float32": np.zeros(1, np.float32), "float64": np.zeros(1, np.float64)}
 
 
@@ -1306,8 +1304,8 @@ def _params(p):
         pf_x = _ITEMSIZE[gi.dtype]
     # A result written apart from out (accumulate_apart) is streamed where it is contiguous
     # runs of float32 or float64 too large for the cache.
-    nt = int(o.dtype in ("float32", "float64") and dims[2][1] == 1
-             and p.diagonal_bytes()[1] >= STREAM_FROM_BYTES)
+    nt = _ITEMSIZE[o.dtype] if (o.dtype in ("float32", "float64") and dims[2][1] == 1 and
+                                p.diagonal_bytes()[1] >= STREAM_FROM_BYTES) else 0
     # Rows of S formed before each output channel's rows are updated in turn, up to
     # S_ROWS_BYTES of S: out's rows of one channel are then one run (diagonal layout).
     srows = max(1, min(seglen, S_ROWS_BYTES // (p.Wo * p.Ho * p.Wo * (8 if p.acc == "float64"
@@ -1330,8 +1328,8 @@ def _accumulate_at(prms, optr, gptr, mptr, cptr, c_value, wptr=None):
     prm = prm.copy()
     prm[_O_ADDR], prm[_G_ADDR], prm[_M_ADDR], prm[_C_ADDR] = optr, gptr, mptr, cptr
     prm[_W_ADDR] = optr if wptr is None else wptr
-    if wptr is None or wptr % _ITEMSIZE[_DTYPE[prm[_O_CODE]]]:
-        prm[_NT] = 0  # in place, or out's elements not aligned to their size
+    if wptr is None or wptr % max(prm[_NT], 1):
+        prm[_NT] = 0  # in place, or the result's elements not aligned to their size
     elif prm[_NT]:
         prm[_PF] = 0  # streamed lines are not fetched
     _call(_parallel, _serial, prm, acc(c_value), proto)
