@@ -1308,8 +1308,7 @@ def _params(p):
                                 p.diagonal_bytes()[1] >= STREAM_FROM_BYTES) else 0
     # Rows of S formed before each output channel's rows are updated in turn, up to
     # S_ROWS_BYTES of S: out's rows of one channel are then one run (diagonal layout).
-    srows = max(1, min(seglen, S_ROWS_BYTES // (p.Wo * p.Ho * p.Wo * (8 if p.acc == "float64"
-                                                                     else 4))))
+    srows = max(1, min(seglen, S_ROWS_BYTES // (p.Wo * p.Ho * p.Wo * _ITEMSIZE[p.acc])))
     prm = np.array((p.B, p.G, p.Ci // p.G, p.Co // p.G, p.H, p.W, p.Ho, p.Wo, p.kh, p.kw,
                     p.sh, p.sw, p.ph, p.pw, p.dh, p.dw, nseg, seglen,
                     0, _CODE[o.dtype], o_b, o_c, o_i0, *(v for d in dims for v in d), pf, 0,
