@@ -6,8 +6,9 @@ simulator, which executes their Python and never types or compiles them). Numba 
 the current device for its compute capability while it compiles; this pretends an sm_90
 one. Each kernel variant of :func:`variants`
 (every element type at every pointer of every kernel with each accumulation dtype, and
-every vector width; ``--all``: every variant of :func:`requests`, all the plans can ask
-for) goes through Numba and NVVM to PTX and through nvJitLink (ptxas)
+every vector width; the plane walk at each size of its ring; ``--all``: every variant of
+:func:`requests`, all the plans can ask for) goes through Numba and NVVM to PTX and
+through nvJitLink (ptxas)
 to sm_90 code, a process a core. Prints one line a variant (with ptxas's registers and
 spill stores a thread) and a count. Exits 1 on the first failure, and
 77 when the compilers are not installed or this numba-cuda cannot compile without a
@@ -20,6 +21,8 @@ import itertools
 import os
 import re
 import sys
+
+from convcov.backends import _plan
 
 #: The kernels' pointer element types: the four storage dtypes, bfloat16 as its uint16 bits.
 TYPES = ("float16", "uint16", "float32", "float64")
@@ -37,6 +40,18 @@ POINTERS = {"walk": _WALK, "walk_vg16": _WALK, "walk_vg32": _WALK, "walk_s": _WA
             "vjp_gamma": ("grad_S", "grad_gamma"), "vjp_mu": ("grad_S", "mu", "grad_mu")}
 
 
+def rings(acc):
+    """The plane walk's rings (KH, SH, DH) as numba_cuda._plane_name names them, for sums
+    in ``acc``: every kh and dh whose ring of NS = dh (kh - 1) + 1 planes fits
+    _plan.PLANE_RING registers (_plan.plane's rule; dh 1 where kh is), each SH up to NS
+    (a stride past NS moves the ring as NS does), the densest ring of each size first."""
+    words = 2 if acc == "float64" else 1  # 32-bit registers an element
+    most = _plan.PLANE_RING // (_plan.PLANE_V * words)
+    return [(kh, sh, dh) for kh in range(most, 0, -1) for dh in range(1, most + 1)
+            if dh * (kh - 1) + 1 <= most and (kh > 1 or dh == 1)
+            for sh in range(1, dh * (kh - 1) + 2)]
+
+
 def requests():
     """Every (kernel, pointer element types, accumulation dtype, V) the plans can ask
     numba_cuda._kernel for, derived from their rules (tests/test_numba_cuda.py's
@@ -51,8 +66,17 @@ def requests():
       sees all four, so with none float64 only a number c (out's type) can;
     * V: out's vector width (S's for walk_s; up to 32 bytes for the walks), 1 for the
       backward; the "_vg" walks (16 or 32 bytes of gamma and mu a load) only where gamma
-      and mu share a dtype, and adding into out (walk_vg...) only where that is out's."""
+      and mu share a dtype, and adding into out (walk_vg...) only where that is out's;
+    * the plane walk ("plane_KH_SH_DH", V _plan.PLANE_V) only where gamma and mu have
+      out's dtype (c any, its sums as walk's), at each of its rings (:func:`rings`); the
+      widest element types first, so that variants() compiles each size of ring with them
+      (the most registers)."""
     out = []
+    for o, c in itertools.product(TYPES[::-1], repeat=2):
+        accs = (("float64",) if "float64" in (o, c) else ("float32", "float64") if c == o
+                else ("float32",))
+        out += [(f"plane_{kh}_{sh}_{dh}", (o, o, o, c), acc, _plan.PLANE_V)
+                for acc in accs for kh, sh, dh in rings(acc)]
     for name, pointers in POINTERS.items():
         for elems in itertools.product(TYPES, repeat=len(pointers)):
             if "_vg" in name and elems[1] != elems[2]:
@@ -76,10 +100,17 @@ def requests():
 def features(r):
     """What compiling request ``r`` checks: each pointer's element type converted to and
     from its accumulation dtype (_to_acc, _store), and out's (S's) vector access of width
-    V, for its element type and for the accumulation dtype."""
+    V, for its element type and for the accumulation dtype. The plane walks are one
+    kernel at each size of their ring (its registers, with the accumulation dtype's): KH,
+    SH and DH beyond that only set which slots S reads and where a step starts."""
     name, elems, acc, V = r
+    extra = set()
+    if name.startswith("plane"):
+        kh, _, dh = map(int, name.split("_")[1:])
+        name = "plane"
+        extra = {(name, "ring", dh * (kh - 1) + 1, acc)}
     return ({(name, i, t, acc) for i, t in enumerate(elems)}
-            | {(name, "out", elems[0], V), (name, "acc", acc, V)})
+            | {(name, "out", elems[0], V), (name, "acc", acc, V)} | extra)
 
 
 def variants(every=False):

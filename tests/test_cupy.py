@@ -48,12 +48,13 @@ def test_module_import_does_not_import_cupy():
 
 # ------------------------------------------------------------------ helpers
 #: The plans _force can force (every test of the host build takes each).
-PATHS = ["fused", "stream", "tiles", "segments", "split"]
+PATHS = ["plane", "fused", "stream", "tiles", "segments", "split"]
 
 
 @pytest.fixture(params=PATHS)
 def path(request, monkeypatch):
-    """Force one plan of the walk (_force): c * S added into out by cc_walk ("fused") or S
+    """Force one plan (_force): a warp a diagonal where the planes fit a warp ("plane");
+    else the block's walk, c * S added into out by cc_walk ("fused") or S
     through memory and cc_stream ("stream"); planes in small tiles, one plane of S a step
     ("tiles"); diagonals in segments of one plane ("segments"); every element's channel
     sum shared by as many lanes as the group's channels allow ("split")."""
@@ -135,6 +136,7 @@ CONV = [
     dict(H=9, W=9, k=(3, 3), stride=(1, 1), padding=(2, 2), G=1, Ci=3, Co=3),
     dict(H=8, W=8, k=(1, 1), G=2, Ci=4, Co=4),
     dict(H=9, W=6, k=(7, 2), padding=(2, 1)),  # a tall kernel
+    dict(H=6, W=16, k=(3, 3), stride=(2, 2), padding=(1, 1), G=3, Ci=3, Co=6),  # depthwise
 ]
 
 
@@ -521,10 +523,17 @@ FAMILIES = [
     for acc in ("float", "double") if not (cxx == "double" and acc == "float")]
 
 
+#: The plane walk's instantiations the host build holds: its ring's extent (kh, sh, dh)
+#: as the host tests' cases have it, for every storage type.
+PLANE_FAMILIES = [("plane", cxx, acc, kh, sh, dh) for _, cxx, acc in FAMILIES[:7]
+                  for kh in (1, 2, 3) for sh in (1, 2, 3) for dh in (1, 2)]
+
+
 def _all_kernel_names():
     from convcov.backends import cupy as mod
 
-    return list(dict.fromkeys(n for f in FAMILIES for n in mod._family_names(f)))
+    return list(dict.fromkeys(n for f in FAMILIES + PLANE_FAMILIES
+                              for n in mod._family_names(f)))
 
 
 #: The families compiled through NVRTC: every storage type with float sums, float and
@@ -533,11 +542,15 @@ def _all_kernel_names():
 #: for).
 _COMPILED = ([(f, "sm_90") for f in FAMILIES
               if f[0] == "vjp" or f[2] == "float" or f[1] in ("float", "double")]
-             + [(("fast", "f16", "float"), "sm_80")])
+             + [(("fast", "f16", "float"), "sm_80")]
+             + [(f, arch) for f in (("plane", "f16", "float", 3, 1, 1),
+                                    ("plane", "bf16", "float", 3, 2, 1),
+                                    ("plane", "double", "double", 3, 1, 1))
+                for arch in ("sm_90", "sm_80")])
 
 
 @pytest.mark.parametrize("family, arch", _COMPILED,
-                         ids=lambda x: "-".join(x) if isinstance(x, tuple) else x)
+                         ids=lambda x: "-".join(map(str, x)) if isinstance(x, tuple) else x)
 def test_every_module_compiles_for_the_gpu(family, arch):
     """The CUDA source with each family's name expressions, through NVRTC for a real GPU
     architecture, as CuPy's RawModule compiles it there. NVRTC needs no GPU, so CI compiles
@@ -681,7 +694,15 @@ _HOST_CASES = [  # (B, Ci, Co, G, H, W, k, stride, padding, dilation)
     (1, 2, 2, 1, 9, 5, (7, 2), (1, 1), (2, 1), (1, 1)),  # a tall kernel
     (1, 2, 2, 1, 9, 3, (8, 1), (1, 1), (1, 0), (1, 1)),  # taller than the input is wide
     (1, 3, 3, 3, 9, 7, (3, 3), (1, 2), (2, 1), (2, 1)),  # depthwise, unequal stride and dilation
+    # from here on, planes that fit a warp (cc_plane on the "plane" path):
+    (2, 4, 4, 4, 8, 8, (3, 3), (1, 1), (1, 1), (1, 1)),  # depthwise, 8 wide
+    (1, 3, 6, 3, 5, 16, (3, 3), (2, 2), (1, 1), (1, 1)),  # two output channels a group, 16 wide
+    (1, 4, 4, 2, 6, 16, (3, 3), (1, 1), (2, 2), (2, 2)),  # dilated: a ring of five planes
+    (1, 2, 2, 1, 4, 16, (1, 1), (2, 2), (0, 0), (1, 1)),  # every other plane skipped
 ]
+
+
+_PLANE_CASES = 10  # the first of _HOST_CASES whose planes fit a warp
 
 
 @pytest.mark.parametrize("forced", PATHS)
@@ -804,10 +825,13 @@ def test_cuda_source_on_host(host_kernels, monkeypatch, case, dtype, forced, for
                                       gamma=form[1])
     from convcov import _frontend
 
-    run = lambda: _run_on_host(host_kernels, _frontend.normalise(  # noqa: E731
+    names = []
+    run = lambda: names.extend(_run_on_host(host_kernels, _frontend.normalise(  # noqa: E731
         out, g, mu, c, k, conv["stride"], conv["padding"], conv["dilation"], conv["groups"]),
-        (4, 256))
+        (4, 256)))
     _check(out, g, mu, c, k, conv, run=run)
+    if forced == "plane" and case >= _PLANE_CASES and dtype != "float64":  # (covered)
+        assert [n.split("<")[0] for n in names] == ["cc_plane"], names
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -842,14 +866,17 @@ def test_cuda_source_on_host_random(host_kernels, monkeypatch, seed):
 # ------------------------------------------------------------------ negative strides, Inf next
 # to the padding, and the literal loops: on the host build (CI) and on a GPU
 def _force(monkeypatch, forced):
-    """Force a plan (PATHS): S through memory wherever out's rows allow it ("stream") or
-    never (the others); the walk's tiles as small as they go, one plane of S a step, c
+    """Force a plan (PATHS): a warp a diagonal wherever the planes fit a warp ("plane") or
+    never (the others); S through memory wherever out's rows allow it ("stream") or never
+    (the others); the walk's tiles as small as they go, one plane of S a step, c
     read where it is used ("tiles": _plan.WALK_SMEM); every diagonal in segments of one
     plane ("segments"); the most lanes to an element's channel sum ("split":
     _plan.SPLIT_LOADS)."""
     from convcov.backends import _plan
 
     monkeypatch.setattr(_plan, "STREAM_BYTES", 0 if forced == "stream" else 1 << 60)
+    if forced != "plane":
+        monkeypatch.setattr(_plan, "plane", lambda *args, **kw: None)
     if forced == "tiles":
         monkeypatch.setattr(_plan, "WALK_SMEM", 1)
     if forced == "segments":
@@ -862,8 +889,11 @@ def _took(names, forced, rows_contiguous=True):
     """The launches (_run_on_host's names) are the forced plan's (S through memory only
     where out's rows are contiguous)."""
     stream = forced == "stream" and rows_contiguous
-    assert [n.split("<")[0] for n in names] == (["cc_walk", "cc_stream"] if stream
-                                                else ["cc_walk"]), names
+    kernels = [n.split("<")[0] for n in names]
+    if forced == "plane":  # (where the planes do not fit a warp, the walk)
+        assert kernels in (["cc_plane"], ["cc_walk"]), names
+        return
+    assert kernels == (["cc_walk", "cc_stream"] if stream else ["cc_walk"]), names
 
 
 #: Axes to reverse, by an array's number of dimensions.
@@ -982,7 +1012,8 @@ def test_apart_on_host(host_kernels, monkeypatch, forced):
 @gpu
 def test_apart_on_the_gpu(path):
     """accumulate_apart on CuPy arrays: the same bits as the call in place on a copy of
-    out, and out untouched; an odd-aligned source takes the copy and gives them too."""
+    out with the result's alignment (the plan, and so the order of the sums, follows the
+    layout), and out untouched; an odd-aligned result takes the copy and gives them too."""
     if "cupy" not in _kinds():
         pytest.skip("needs CuPy arrays")
     import cupy
@@ -995,10 +1026,16 @@ def test_apart_on_the_gpu(path):
     out = cupy.asarray(rng.normal(size=(B, Co, Ho, Wo, Ho, Wo)), cupy.float32)
     gamma = cupy.asarray(rng.normal(size=(B, Ci, H, W, H, W)), cupy.float32)
     mu, c = cupy.asarray(rng.normal(size=(B, Ci, H, W)), cupy.float32), 0.25
-    kept, want = out.copy(), out.copy()
-    convcov.accumulate(want, gamma, mu, c, k, stride=s, padding=pd, dilation=d, groups=G)
-    shifted = cupy.empty(out.size + 1, out.dtype)[1:].reshape(out.shape)
-    for new in (cupy.empty_like(out), shifted):
+    kept = out.copy()
+
+    def alike(aligned):  # a new array like out: 16-byte aligned, or 4 bytes off
+        return (cupy.empty_like(out) if aligned else
+                cupy.empty(out.size + 1, out.dtype)[1:].reshape(out.shape))
+
+    for aligned in (True, False):
+        want, new = alike(aligned), alike(aligned)
+        want[...] = out
+        convcov.accumulate(want, gamma, mu, c, k, stride=s, padding=pd, dilation=d, groups=G)
         _frontend.accumulate_apart(new, out, gamma, mu, c, k, s, pd, d, G, None)
         assert bool(cupy.array_equal(new, want)) and bool(cupy.array_equal(out, kept))
 
@@ -1080,6 +1117,8 @@ _LOOP_CASES = [
     (2, 2, 4, 2, 5, 5, (3, 2), (1, 2), (2, 0), (2, 1), False, None, "float64"),
     (1, 3, 3, 3, 4, 4, (1, 3), (1, 1), (0, 1), (1, 1), True, None, "float32"),
     (1, 2, 2, 1, 5, 3, (3, 1), (2, 1), (1, 0), (1, 1), False, "full", "float32"),
+    (1, 2, 2, 2, 5, 8, (3, 3), (1, 1), (1, 1), (1, 1), False, "diag", "float64"),
+    (1, 2, 4, 2, 4, 16, (3, 3), (2, 2), (1, 1), (1, 1), True, "full", "float32"),
 ]
 
 

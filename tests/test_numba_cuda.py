@@ -1,17 +1,18 @@
 """The ``numba_cuda`` backend: what the shared property test does not reach.
 
 Without a GPU (CI) the kernels run under Numba's CUDA simulator on numpy and torch CPU
-arrays (tests/conftest.py switches it on): each plan of the walk (c * S added into out by
-``walk``, or S stored and streamed into out by ``stream``; planes in the smallest tiles;
-diagonals in segments of one plane) is forced through ``convcov.backends._plan``, as
-tests/test_cupy.py forces cupy's, on the same small problems of signed inputs, with every
-layout, ``c`` form, dtype (bfloat16 through torch) and conv parameter, the vector widths,
-padding next to Inf, and a float64 sum that must reach bfloat16 with one rounding; the
-kernels compiled for sm_90 without a GPU (tests/_compile_numba_cuda.py) cover every one
-the plans ask for, over every dtype mix. With a GPU the same checks run on torch CUDA
-tensors, plus what only a device can show: CuPy arrays and numba device arrays, a launch on
-a non-default torch stream, an ``out`` of more than 2**31 elements, several threads at
-once. Tests that need what is missing skip and say why."""
+arrays (tests/conftest.py switches it on): each plan (a warp a diagonal, ``plane``, where
+the planes fit a warp; c * S added into out by ``walk``, or S stored and streamed into out
+by ``stream``; planes in the smallest tiles; diagonals in segments of one plane) is forced
+through ``convcov.backends._plan``, as tests/test_cupy.py forces cupy's, on the same small
+problems of signed inputs, with every layout, ``c`` form, dtype (bfloat16 through torch)
+and conv parameter, the vector widths, padding next to Inf, and a float64 sum that must
+reach bfloat16 with one rounding; the kernels compiled for sm_90 without a GPU
+(tests/_compile_numba_cuda.py) cover every one the plans ask for, over every dtype mix.
+With a GPU the same checks run on torch CUDA tensors, plus what only a device can show:
+CuPy arrays and numba device arrays, a launch on a non-default torch stream, an ``out`` of
+more than 2**31 elements, several threads at once. Tests that need what is missing skip
+and say why."""
 
 from __future__ import annotations
 
@@ -98,7 +99,10 @@ def _requested_kernels(monkeypatch):
     float32 and float64 sums (a float64 array beside them): the walk storing S for each
     gamma and mu dtype, aligned and not, at each width of S (rows of those sizes and one
     less), and stream for each out and c dtype
-    at each width of out (diagonal and full layouts). Backward: each dtype of grad_S and
+    at each width of out (diagonal and full layouts). The plane walk: each dtype of out
+    (gamma and mu alike) and c, and a number c beyond float32's range, at each kernel
+    height, stride and dilation whose ring reaches one plane past the most it may hold
+    (planes 8 wide; strides one past the ring). Backward: each dtype of grad_S and
     grad_gamma, and of grad_S, mu and grad_mu, with float32 and float64 sums. And the
     other forms: gamma None, full gamma, a number c, a 0-d c."""
     import itertools
@@ -152,6 +156,18 @@ def _requested_kernels(monkeypatch):
             convcov.accumulate(out, gamma, arr((1, 2, n, n), m), cc, (1, kw), padding=(0, pw),
                                backend="numba_cuda")
 
+    def plane(o, c, kh, sh, dh):
+        """One call on the plane path: inputs of type o (out, gamma and mu) 8 wide and two
+        outputs high (one would make the stride meaningless, and the front end make it
+        small), c a type or a number, a kh x 1 kernel of stride sh and dilation dh."""
+        H = dh * (kh - 1) + 1 + sh
+        with monkeypatch.context() as mp:
+            _force(mp, "plane")
+            convcov.accumulate(arr((1, 2, 2, 8, 2, 8), o), arr((1, 2, H, 8, H, 8), o),
+                               arr((1, 2, H, 8), o), c if not isinstance(c, str) else
+                               arr((2,), c), (kh, 1), stride=(sh, 1), dilation=(dh, 1),
+                               backend="numba_cuda")
+
     def backward(s, m, gg, gm):
         patch_moment_vjp(arr(s_shape, s), arr(mu_shape, m), 1, backend="numba_cuda",
                          grad_gamma=None if gg is None else arr(diag, gg),
@@ -192,6 +208,11 @@ def _requested_kernels(monkeypatch):
         for stream in (False, True):
             forward(t, None, t, -0.5, stream)
             forward(t, "full:" + t, t, "0d:" + t, stream, full=True)
+    rings = [(kh, sh, dh) for kh in range(1, 8) for dh in range(1, 7 if kh > 1 else 3)
+             if dh * (kh - 1) + 1 <= 7 for sh in range(1, dh * (kh - 1) + 3)]
+    for o, c in itertools.product(TYPES, TYPES + (1e-39,)):
+        for kh, sh, dh in rings:
+            plane(o, c, kh, sh, dh)
     return asked
 
 
@@ -243,18 +264,24 @@ def _forget_plans(monkeypatch):
 
 #: The plans _force can force (cupy's, tests/test_cupy.py, but "split": this walk has no
 #: lanes sharing a channel sum).
-PATHS = ["fused", "stream", "tiles", "segments"]
+PATHS = ["plane", "fused", "stream", "tiles", "segments"]
+#: The walk's: for problems whose planes no warp holds, which on "plane" repeat "fused".
+WALK_PATHS = PATHS[1:]
 
 
 def _force(monkeypatch, forced):
-    """Force a plan of the walk (``convcov.backends._plan``, as cupy's plan reads it): S
+    """Force a plan (``convcov.backends._plan``, as cupy's plan reads it): a warp a diagonal
+    wherever the planes fit a warp ("plane": _plan.plane) or never (the others); S
     through memory wherever out's rows allow it ("stream": walk stores S, stream adds it
-    into out) or never (the others: walk adds c * S into out); planes in the smallest
-    tiles, one plane of S a step, c read where it is used ("tiles": _plan.WALK_SMEM);
-    every diagonal in segments of one plane ("segments": _plan.WALK_BLOCKS_PER_SM)."""
+    into out) or never (the others: walk, or plane, adds c * S into out); planes in the
+    smallest tiles, one plane of S a step, c read where it is used ("tiles":
+    _plan.WALK_SMEM); every diagonal in segments of one plane ("segments":
+    _plan.WALK_BLOCKS_PER_SM)."""
     from convcov.backends import _plan
 
     monkeypatch.setattr(_plan, "STREAM_BYTES", 0 if forced == "stream" else 1 << 60)
+    if forced != "plane":
+        monkeypatch.setattr(_plan, "plane", lambda *args, **kw: None)
     if forced == "tiles":
         monkeypatch.setattr(_plan, "WALK_SMEM", 1)
     if forced == "segments":
@@ -270,16 +297,20 @@ def _walk_sizes(launch):
 
 @pytest.fixture(params=PATHS)
 def path(request, monkeypatch):
-    """Force one plan of the walk (_force); afterwards, every plan made took it: walk alone,
-    or (stream, where out's (i1, j1) rows are contiguous) walk storing S, then stream;
-    tiles of one row (tj0 1), one plane a step; segments of one plane."""
+    """Force one plan (_force); afterwards, every plan made took it: plane alone (or, where
+    the planes do not fit a warp, walk alone); walk alone, or (stream, where out's
+    (i1, j1) rows are contiguous) walk storing S, then stream; tiles of one row (tj0 1),
+    one plane a step; segments of one plane."""
     _force(monkeypatch, request.param)
     yield request.param
     from convcov.backends import numba_cuda as mod
 
     for plan in mod._plans.values():
         names = [ln.name for ln in plan.launches]
-        if request.param == "stream" and len(names) == 2:
+        if request.param == "plane":
+            assert len(names) == 1 and names[0].startswith(("plane", "walk")), names
+            assert not names[0].startswith("walk_s"), names
+        elif request.param == "stream" and len(names) == 2:
             assert names[0].startswith("walk_s") and names[1] == "stream", names
         else:
             assert len(names) == 1 and names[0].startswith("walk"), names
@@ -374,20 +405,36 @@ CONVS = {  # name: (B, Ci, Co, H, W, k, G, stride, padding, dilation)
     "seventeen-out-channels": (1, 2, 17, 3, 3, (2, 2), 1, (1, 1), (0, 0), (1, 1)),
     "tall-kernel": (1, 2, 2, 9, 3, (8, 1), 1, (1, 1), (1, 0), (1, 1)),
 }
+#: Problems whose planes fit a warp (W and Wo 8 or 16), for the "plane" path (on the walk's
+#: paths the walk takes them as it takes any other): tests/test_cupy.py's host cases.
+PLANE_CONVS = {
+    "plane-depthwise": (1, 2, 2, 8, 8, (3, 3), 2, (1, 1), (1, 1), (1, 1)),  # 8 wide
+    "plane-strided": (1, 3, 6, 5, 16, (3, 3), 3, (2, 2), (1, 1), (1, 1)),  # 2 outputs a group
+    "plane-dilated": (1, 4, 4, 4, 16, (3, 3), 2, (1, 1), (2, 2), (2, 2)),  # a ring of five
+    "plane-1x1-strided": (1, 2, 2, 4, 16, (1, 1), 1, (2, 2), (0, 0), (1, 1)),  # sh past NS
+}
 
 
 # ------------------------------------------------------------------ every branch, here
 @available
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("conv", list(CONVS))
+@pytest.mark.parametrize("path, conv", [(p, c) for p in PATHS
+                                        for c in (PLANE_CONVS if p == "plane" else CONVS)],
+                         indirect=["path"])
 @pytest.mark.parametrize("form", [("full", True, "1d"), ("diag", False, "number"),
                                   (None, True, "0d")])
 def test_matches_loops(path, kind, conv, form):
-    B, Ci, Co, H, W, k, G, s, p, d = CONVS[conv]
+    """The literal loops' result on each path: the walk's on CONVS, the plane walk's on
+    PLANE_CONVS (each takes it, with the ring its kh, sh and dh ask for)."""
+    from convcov.backends import numba_cuda as mod
+
+    B, Ci, Co, H, W, k, G, s, p, d = {**CONVS, **PLANE_CONVS}[conv]
     gamma, full_out, c_form = form
     out, g, mu, c, k, cv = _problem(np.random.default_rng(1), B, Ci, Co, H, W, k, full_out,
                                     gamma, G, s, p, d)
     _check(out, g, mu, c, k, cv, kind, ("float32",) * 4, c_form=c_form)
+    if path == "plane":
+        assert _names(mod) == [(mod._plane_name(k[0], s[0], d[0]), 8)], _names(mod)
 
 
 @available
@@ -396,6 +443,11 @@ def test_matches_loops(path, kind, conv, form):
                                     ("bfloat16",) * 4,
                                     ("bfloat16", "float16", "float32", "float64")])
 def test_dtypes(path, dtypes):
+    """Each dtype mix against the literal loops. On the "plane" path, planes 8 wide (a
+    3 x 3 kernel padded by 1): gamma and mu of out's dtype take the plane walk, the other
+    mixes the walk."""
+    from convcov.backends import numba_cuda as mod
+
     kind = "torch_cuda" if ON_GPU else "torch"
     if "bfloat16" in dtypes and not HAS_TORCH:
         pytest.skip("bfloat16 arrays come from torch, which is not installed")
@@ -404,13 +456,22 @@ def test_dtypes(path, dtypes):
     if not HAS_TORCH:
         kind = "numpy"
     # Two groups of three output channels: a pass of UNROLL (4) channels has one too many,
-    # which must not spill into the next group.
-    out, g, mu, c, k, cv = _problem(np.random.default_rng(2), 1, 2, 6, 4, 4, (2, 2), G=2)
+    # which must not spill into the next group (plane: PLANE_INFLIGHT bytes a pass, two
+    # passes of two 16-bit channels or three of one).
+    if path == "plane":
+        out, g, mu, c, k, cv = _problem(np.random.default_rng(2), 1, 2, 6, 3, 8, (3, 3), G=2,
+                                        padding=(1, 1))
+    else:
+        out, g, mu, c, k, cv = _problem(np.random.default_rng(2), 1, 2, 6, 4, 4, (2, 2), G=2)
     _check(out, g, mu, c, k, cv, kind, dtypes)
+    if path == "plane":
+        plane = len(set(dtypes[:3])) == 1
+        assert _names(mod)[0][0].startswith("plane" if plane else "walk"), _names(mod)
 
 
 @available
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("path", WALK_PATHS, indirect=True)  # (no plane fits a warp)
 def test_sixteen_bit_vectors(path, dtype):
     """16-bit arrays in vectors, two elements a 32-bit word: out 8 elements along j1 a
     load (7 x 7 inputs padded, 8 x 8 planes of out), gamma and mu 8 along y1 (8 x 8
@@ -431,6 +492,7 @@ def test_sixteen_bit_vectors(path, dtype):
 @available
 @pytest.mark.parametrize("layouts", [("permuted", "strided", "permuted"),
                                      ("strided", "permuted", "strided")])
+@pytest.mark.parametrize("path", WALK_PATHS, indirect=True)  # (no plane fits a warp)
 def test_views(path, layouts):
     out, g, mu, c, k, cv = _problem(np.random.default_rng(3), 2, 2, 3, 4, 5, (2, 2))
     for kind in KINDS:
@@ -439,6 +501,7 @@ def test_views(path, layouts):
 
 @available
 @pytest.mark.skipif(ON_GPU, reason="negative strides: numpy views, host (simulator) only")
+@pytest.mark.parametrize("path", WALK_PATHS, indirect=True)  # (no plane fits a warp)
 def test_negative_strides(path):
     out, g, mu, c, k, cv = _problem(np.random.default_rng(4), 1, 2, 2, 4, 4, (2, 2))
     out_v, mu_v, g_v = out[:, ::-1], mu[..., ::-1], g[:, :, ::-1, :, :, ::-1]
@@ -480,6 +543,7 @@ def _reversed(x):
 @pytest.mark.skipif(not (ON_GPU and has_cupy_gpu()),
                     reason="negative strides on a GPU come from CuPy views (torch has none)")
 @pytest.mark.parametrize("full_out, gamma", [(True, "full"), (False, "diag"), (True, None)])
+@pytest.mark.parametrize("path", WALK_PATHS, indirect=True)  # (no plane fits a warp)
 def test_negative_strides_on_the_gpu(path, full_out, gamma):
     """Every array a view with every axis reversed (float64 out, float32 gamma and mu, c),
     with groups, padding and a non-square kernel, against the numpy reference on the
@@ -511,13 +575,17 @@ def test_negative_strides_on_the_gpu(path, full_out, gamma):
     (("float32", "float16", "float16", "float32"), False, "stream", 8,
      [("walk_s_vg16", 8), ("stream", 4)]),  # gamma and mu share a dtype: VG 8
     (("float32",) * 4, True, "stream", 8, [("walk_s_vg32", 8), ("stream", 1)]),
+    (("float32",) * 4, False, "plane", 8, [("plane_3_1_1", 8)]),  # planes that fit a warp
+    (("float32",) * 4, True, "plane", 8, [("walk_vg32", 1)]),  # out's rows not 16-byte
 ])
 def test_vector_widths(monkeypatch, dtypes, misaligned, forced, hw, widths):
     """The walk forms V elements along j1 a thread (out's vector width along its rows, or
     S's where it stores S: 16 bytes, doubled where the row allows, _plan.widen) and reads
     gamma and mu VG elements along y1 a load (16 bytes, or 32) where they share a dtype
     (out's, where it adds into out) and the layout allows, else one; stream adds into out
-    V elements (16 bytes) a load. Every width gives the literal loops' result."""
+    V elements (16 bytes) a load. The plane walk takes planes that fit a warp only where
+    gamma, mu and out are all 16-byte vectors. Every width gives the literal loops'
+    result."""
     from convcov.backends import numba_cuda as mod
 
     _force(monkeypatch, forced)
@@ -575,21 +643,28 @@ def test_stream_rows(monkeypatch, case, rows, hw):
 
 @available
 def test_padding_next_to_inf(path):
-    """A term with a position in the padding is absent, not 0 * Inf = NaN."""
-    mu = np.random.default_rng(6).random((1, 1, 3, 3))
+    """A term with a position in the padding is absent, not 0 * Inf = NaN (plane: rows 8
+    wide, next to the zero border of the warp's plane in shared memory)."""
+    from convcov.backends import numba_cuda as mod
+
+    W = 8 if path == "plane" else 3
+    mu = np.random.default_rng(6).random((1, 1, 3, W))
     mu[0, 0, 0, 0] = np.inf
-    out = np.zeros((1, 1, 3, 3, 3, 3))
+    out = np.zeros((1, 1, 3, W, 3, W))
     ref = convcov.accumulate(out.copy(), None, mu, 1.0, 3, padding=1, backend="numpy")
     kind = KINDS[0]
     got = make(out, kind, "float64")
     convcov.accumulate(got, None, make(mu, kind, "float64"), 1.0, 3, padding=1,
                        backend="numba_cuda")
+    if path == "plane":
+        assert _names(mod) == [("plane_3_1_1", 8)], _names(mod)
     # Inf where it belongs, no NaN (assert_allclose compares the non-finite values
     # exactly); the finite ones to float64 rounding (the kernels fuse multiply-adds).
     np.testing.assert_allclose(to_f64(got), ref, rtol=1e-14, atol=0)
 
 
 @available
+@pytest.mark.parametrize("path", WALK_PATHS, indirect=True)  # (no plane fits a warp)
 def test_float64_sum_rounds_once_into_bfloat16(path):
     """out (bf16) = 1 + (2**-8 + 2**-30): above the bf16 half-way point, so 1 + 2**-7.
     Rounding through float32 first would lose 2**-30, tie, and give 1 (even)."""
@@ -607,6 +682,7 @@ def test_float64_sum_rounds_once_into_bfloat16(path):
 
 # ------------------------------------------------------------------ a real GPU only
 @gpu
+@pytest.mark.parametrize("path", WALK_PATHS, indirect=True)  # (no plane fits a warp)
 def test_cupy_and_numba_device_arrays(path):
     out, g, mu, c, k, cv = _problem(np.random.default_rng(7), 1, 2, 2, 4, 4, (2, 2))
     kinds = ["numba"] + (["cupy"] if has_cupy_gpu() else [])
@@ -627,6 +703,7 @@ def test_requires_grad_tensors():
 
 
 @gpu
+@pytest.mark.parametrize("path", WALK_PATHS, indirect=True)  # (no plane fits a warp)
 def test_runs_on_the_current_torch_stream(path):
     """mu is written on a side stream after a long sleep; the call, made on that stream,
     must see the new values. On any other stream it would read the old ones (zeros)."""
@@ -650,6 +727,7 @@ def test_runs_on_the_current_torch_stream(path):
 
 
 @gpu
+@pytest.mark.parametrize("path", WALK_PATHS, indirect=True)  # (no plane fits a warp)
 def test_bound_launch_after_the_context_was_popped(path):
     """A thread whose calls are bound and whose context some library then popped (none
     current, while cudaGetDevice still names device 0) computes on: the bound launcher
@@ -818,6 +896,7 @@ def test_scratch_under_rmm(guard):
 
 
 @gpu
+@pytest.mark.parametrize("path", WALK_PATHS, indirect=True)  # (no plane fits a warp)
 def test_second_gpu(path):
     """Arrays on cuda:1 are computed there while cuda:0 is current, and calls with the same
     layout on both devices, interleaved, each use their own device's plan and kernels
@@ -881,6 +960,7 @@ def test_more_than_2_31_elements():
 
 
 @gpu
+@pytest.mark.parametrize("path", WALK_PATHS, indirect=True)  # (no plane fits a warp)
 def test_threads_at_once(path):
     import torch
 

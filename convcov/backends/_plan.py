@@ -13,7 +13,11 @@ A forward call is one launch of the walk, or two where many output channels shar
    element of S, the walk stores S and a stream kernel adds ``c[c0] * S`` into out in
    address order (:func:`stream_grid`).
 
-No list of shapes: every layer takes this code path; the sizes follow from the layer's
+Where the input's planes fit a warp (:func:`plane`), the walk is a warp's instead of a
+block's: the same sums, with no block-wide barrier (cupy's ``cc_plane``, numba_cuda's
+``plane``).
+
+No list of shapes: every layer takes these code paths; the sizes follow from the layer's
 quantities.
 """
 
@@ -176,3 +180,54 @@ def widen(v, itemsize, n):
     while v * itemsize >= 16 and 2 * v * itemsize <= VECTOR_BYTES and n % (2 * v) == 0:
         v *= 2
     return v
+
+
+# ---------------------------------------------------------------------- the plane walk
+PLANE_V = 8  # columns of a plane a lane holds (two lanes a row of at most 16)
+PLANE_RING = 48  # registers a thread's ring of T may take (more would spill)
+
+
+@dataclass(frozen=True)
+class Plane:
+    """The plane walk's sizes: a warp's plane of Q in shared memory, ``qrows`` rows of
+    ``qpitch`` accumulation-type elements (``smem`` bytes), Q's columns from ``qcol`` (its
+    rows from row ``pw``); ``n`` items (a warp's: (b, g) and a diagonal)."""
+
+    qrows: int
+    qpitch: int
+    qcol: int
+    smem: int
+    n: int
+
+
+def plane(B, G, Ho, W, Wo, kh, kw, sw, dh, dw, pw, acc_size, smem_max=None):
+    """The plane walk's sizes where a plane of the input and of S fits a warp (``W`` and ``Wo``
+    multiples of PLANE_V, at most twice it) and the ring of T its registers, else None.
+    The pitch of the warp's plane is the one, of the few past its width, whose rows the
+    lanes' reads of T spread over the most shared-memory banks."""
+    smem_max = WALK_SMEM if smem_max is None else smem_max
+    if W % PLANE_V or Wo % PLANE_V or W > 2 * PLANE_V or Wo > 2 * PLANE_V:
+        return None
+    if (dh * (kh - 1) + 1) * PLANE_V * max(1, acc_size // 4) > PLANE_RING:
+        return None
+    align = max(1, 16 // acc_size)  # Q's rows stored as 16-byte vectors
+    reach = (Wo - 1) * sw + (kw - 1) * dw  # the furthest row and column T reads
+    qcol = _cdiv(pw, align) * align
+    qrows = max(pw + W, reach + 1)
+    least = max(qcol + W, reach - pw + qcol + 1)
+    words = acc_size // 4 or 1
+    lanes = [(j0, h) for j0 in range(Wo) for h in range(0, Wo, PLANE_V)]
+
+    def conflicts(p):  # the most lanes that read one bank at once (T's first column)
+        banks = {}
+        for j0, h in lanes:
+            w = (j0 * sw * p + h * sw) * words
+            banks[w % 32] = banks.get(w % 32, 0) + 1
+        return max(banks.values())
+
+    qpitch = min(range(_cdiv(least, align) * align, _cdiv(least, align) * align + 32, align),
+                 key=lambda p: (conflicts(p), p))
+    smem = qrows * qpitch * acc_size
+    if THREADS // 32 * smem > smem_max:  # (cupy's blocks hold THREADS // 32 warps)
+        return None
+    return Plane(qrows, qpitch, qcol, smem, (2 * Ho - 1) * B * G)

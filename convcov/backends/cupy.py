@@ -21,7 +21,11 @@ of the group. Where many output channels share S (``_plan.STREAM_BYTES``), ``cc_
 stores S instead and ``cc_stream`` adds ``c[c0] * S`` into out in address order, S
 re-read from L2. The sizes (planes of S a step, tiles of a plane, segments of a diagonal,
 lanes a channel sum) come from ``convcov.backends._plan.walk``, which the ``numba_cuda``
-backend shares.
+backend shares. Where a plane of the input fits a warp and c * S goes straight into out,
+``cc_plane`` walks a diagonal with a warp instead of a block (``_plan.plane``): Q in
+registers, its row filter through the warp's own shared memory, the ring of T in
+registers (the kernel compiled for the layer's ``kh``, ``sh``, ``dh``), no block-wide
+barrier.
 
 Scratch: S, only where it goes through memory (``B*G*(Ho*Wo)**2`` accumulation-type
 elements), allocated stream-ordered from the arrays' library. A tile of Q in shared memory
@@ -98,6 +102,7 @@ _FIELDS = (
     "runp", "seglen", "nseg", "tj0", "tj1", "ntj1", "ntile", "nq", "wq", "nslot", "tp", "nch",
     "csm",
     "nseg_rows", "seg_len",                    # cc_stream: rows of out[b, c0], their length
+    "qrows", "qpitch", "qcol",                 # cc_plane: a warp's plane of Q in shared memory
     "nchunk", "chunk",                         # cc_vjp_gamma: a group's channels in chunks
     # the backward (patch_moment_vjp): grad_S in; grad_gamma, grad_mu out; D, link: scratch
     "gs", "gg", "gm", "dsc", "lnk",            # device addresses (0 when absent)
@@ -130,7 +135,8 @@ enum { DT_F16 = 0, DT_BF16 = 1, DT_F32 = 2, DT_F64 = 3 };
 #define INFLIGHT 64  // bytes of one input or output a thread has in flight in cc_walk's loops
 #endif
 // channels whose loads are in flight together when each load is BYTES bytes
-#define LOADS_FOR(BYTES) (INFLIGHT / (BYTES) < 1 ? 1 : INFLIGHT / (BYTES) > 8 ? 8 : INFLIGHT / (BYTES))
+#define LOADS_IN(INF, BYTES) ((INF) / (BYTES) < 1 ? 1 : (INF) / (BYTES) > 8 ? 8 : (INF) / (BYTES))
+#define LOADS_FOR(BYTES) LOADS_IN(INFLIGHT, BYTES)
 
 // ---------------------------------------------------------------- bits and conversions
 __device__ __forceinline__ float u2f(unsigned u) { union { unsigned u; float f; } x; x.u = u; return x.f; }
@@ -448,10 +454,10 @@ template <typename Acc, int VG> struct In<Acc, anyt, VG> {
 
 // s += sum over Cg channels of VG elements of an input at off + ci * step, INFLIGHT bytes of
 // loads in flight before their sums.
-template <typename Acc, typename T, int VG, int HINT>
+template <typename Acc, typename T, int VG, int HINT, int INF = INFLIGHT>
 __device__ __forceinline__ void sum_channels(Acc (&s)[VG], const void* p, i64 off, i64 step,
                                              i64 Cg, int dt) {
-  enum { UNROLL = LOADS_FOR(VG * (int)sizeof(T)) };
+  enum { UNROLL = LOADS_IN(INF, VG * (int)sizeof(T)) };
   i64 ci = 0;
   for (; ci + UNROLL <= Cg; ci += UNROLL, off += UNROLL * step) {
     In<Acc, T, VG> x[UNROLL];
@@ -477,10 +483,10 @@ __device__ __forceinline__ void sum_channels(Acc (&s)[VG], const void* p, i64 of
 
 // s += sum over Cg channels of mu[o0] * mu[o1 .. o1 + VG) (mu is small: its loads hit the
 // caches), INFLIGHT bytes of loads in flight.
-template <typename Acc, typename T, int VG>
+template <typename Acc, typename T, int VG, int INF = INFLIGHT>
 __device__ __forceinline__ void sum_products(Acc (&s)[VG], const void* mu, i64 o0, i64 o1,
                                              i64 step, i64 Cg, int dt) {
-  enum { UNROLL = LOADS_FOR(VG * (int)sizeof(T)) };
+  enum { UNROLL = LOADS_IN(INF, VG * (int)sizeof(T)) };
   i64 ci = 0;
   for (; ci + UNROLL <= Cg; ci += UNROLL, o0 += UNROLL * step, o1 += UNROLL * step) {
     In<Acc, T, 1> m0[UNROLL];
@@ -512,13 +518,50 @@ __device__ __forceinline__ void sum_products(Acc (&s)[VG], const void* mu, i64 o
   }
 }
 
+// s += sum over Cg channels of gamma[og ..] + mu[o0] * mu[o1 ..] (VG elements along a row),
+// each chunk's loads of gamma and mu issued together before their sums (one latency a
+// chunk, not one an array); gamma (where present) read once: streaming loads.
+template <typename Acc, typename T, int VG, int INF>
+__device__ __forceinline__ void sum_terms(Acc (&s)[VG], const void* gamma, i64 og, i64 gstep,
+                                          const void* mu, i64 o0, i64 o1, i64 mstep, i64 Cg) {
+  enum { UNROLL = LOADS_IN(INF, VG * (int)sizeof(T)) };
+  for (i64 ci = 0; ci < Cg; ci += UNROLL, og += UNROLL * gstep, o0 += UNROLL * mstep,
+       o1 += UNROLL * mstep) {
+    In<Acc, T, VG> x[UNROLL], m1[UNROLL];
+    In<Acc, T, 1> m0[UNROLL];
+#pragma unroll
+    for (int k = 0; k < UNROLL; ++k) {
+      if (ci + k < Cg) {
+        if (gamma) x[k].template load<1>(gamma, og + k * gstep, 0);
+        m0[k].template load<0>(mu, o0 + k * mstep, 0);
+        m1[k].template load<0>(mu, o1 + k * mstep, 0);
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < UNROLL; ++k) {
+      if (ci + k < Cg) {
+        Acc v[VG], m[1], w[VG];
+        if (gamma) {
+          x[k].get(v);
+#pragma unroll
+          for (int e = 0; e < VG; ++e) s[e] = aadd(s[e], v[e]);
+        }
+        m0[k].get(m);
+        m1[k].get(w);
+#pragma unroll
+        for (int e = 0; e < VG; ++e) s[e] = afma(m[0], w[e], s[e]);
+      }
+    }
+  }
+}
+
 // op[k * so1] = os[k * so1] + c[c0 + k] * s for the group's Cog output channels k (c0 its
 // first), c's values from cs (shared memory) or, without cs, from c itself; V elements a
 // load and a store, INFLIGHT bytes of loads of out in flight before their stores.
-template <typename To, typename Acc, int V>
+template <typename To, typename Acc, int V, int INF = INFLIGHT>
 __device__ __forceinline__ void add_cs(To* op, const To* os, i64 so1, int Cog, const Acc* cs,
                                        const Args& a, i64 c0, const Acc (&s)[V]) {
-  enum { UNROLL = LOADS_FOR(V * (int)sizeof(To)) };
+  enum { UNROLL = LOADS_IN(INF, V * (int)sizeof(To)) };
   for (int k0 = 0; k0 < Cog; k0 += UNROLL) {
     Raw<To, V> old[UNROLL];
 #pragma unroll
@@ -725,6 +768,128 @@ __global__ void __launch_bounds__(THREADS, WALK_BLOCKS) cc_walk(const Args a) {
         }
       }
       SYNC();  // before the next step's T reuses the ring
+    }
+  }
+}
+
+// ---------------------------------------------------------------- the plane walk
+// Where a plane of the input fits a warp (W and Wo multiples of 8, at most 16) and c * S
+// goes straight into out: a warp takes one (b, g) and one diagonal di = i1 - i0 of S's
+// planes and walks it alone, so no step waits at a block-wide barrier. Lane l holds row
+// l >> 1, columns [8 (l & 1), +8) of a plane: of Q_u (its group's channel sum, formed in
+// registers, one vector of gamma a channel), then of T_u and S_t (rows j0, columns j1).
+// T_u is Q_u row-filtered through the warp's own plane of shared memory (qrows x qpitch,
+// Q_u's rows from row pw and its columns from column qcol, the zero border around it the
+// padding: no bounds checks); the planes of T that S_t sums are a ring in registers (KH,
+// SH, DH compiled in, so its slots are registers): slot s of S_t's ring holds the plane of
+// input rows x0 = i0 * SH - ph + s, x1 = x0 + di * SH. Items: (rank, b, g), the longest
+// diagonals first; a warp loops over them.
+#define PLANE_V 8
+// INFLIGHT of cc_plane: 32 bytes keep it within 128 registers (64 spill); a warp's load
+// of a plane's row vectors is 512 bytes already
+#define PLANE_INFLIGHT 32
+template <typename T, typename Acc, int KH, int SH, int DH>
+// two blocks a multiprocessor, 128 registers: at three (80) ptxas spills, and mb-dw and
+// grp8 run 1.1-1.4x slower on an H100
+__global__ void __launch_bounds__(THREADS, 2) cc_plane(const Args a) {
+  enum { NS = DH * (KH - 1) + 1, V = PLANE_V, WARPS = THREADS / 32 };
+#ifdef __CUDA_ARCH__
+  enum { NL = 1 };  // one lane a thread
+  const int lane0 = (int)(threadIdx.x & 31);
+#define PLANE_SYNC() __syncwarp()
+#else
+  enum { NL = 32 };  // the host build: the warp's first thread runs its 32 lanes in turn
+  if (threadIdx.x & 31) return;
+  const int lane0 = 0;
+#define PLANE_SYNC()
+#endif
+  const int warp = (int)(threadIdx.x >> 5);
+  const int H = (int)a.H, W = (int)a.W, Ho = (int)a.Ho, Wo = (int)a.Wo;
+  const int kw = (int)a.kw, sw = (int)a.sw, dw = (int)a.dw, ph = (int)a.ph, pw = (int)a.pw;
+  const int qp = (int)a.qpitch, qn = (int)(a.qrows * a.qpitch), qc = (int)a.qcol - pw;
+  const int Cog = (int)a.Cog;
+  const void* gamma = (const void*)a.gamma;
+  const void* mu = (const void*)a.mu;
+  Acc* Qs = reinterpret_cast<Acc*>(walk_smem) + warp * qn;
+  for (int l = 0; l < NL; ++l)
+    for (int e = lane0 + l; e < qn; e += 32) Qs[e] = (Acc)0;
+  PLANE_SYNC();
+  const i64 BG = a.B * a.G;
+  Acc r[NL][NS][V];  // the ring of T: slot s holds the plane of rows x0 = i0 * SH - ph + s
+
+  for (i64 id = (i64)blockIdx.x * WARPS + warp; id < a.n; id += (i64)gridDim.x * WARPS) {
+    i64 rank, bg, b, g;
+    divmod(id, BG, rank, bg);
+    divmod(bg, a.G, b, g);
+    const int di = rank == 0 ? 0 : (rank & 1 ? -(int)(rank + 1) / 2 : (int)rank / 2);
+    const int L = Ho - (di < 0 ? -di : di), i0d = di < 0 ? -di : 0, dx = di * SH;
+    const i64 ogb = b * a.sg0 + g * a.Cg * a.sg1, omb = b * a.sm0 + g * a.Cg * a.sm1;
+    const i64 oob = b * a.so0 + g * Cog * a.so1;
+    for (int t = 0; t < L; ++t) {
+      const int i0 = i0d + t, i1 = i0 + di;
+      // the ring moved on by SH planes; the planes it lacks formed (all of them at first)
+      if (t > 0) {
+        for (int l = 0; l < NL; ++l)
+#pragma unroll
+          for (int s = 0; s + SH < NS; ++s)
+#pragma unroll
+            for (int e = 0; e < V; ++e) r[l][s][e] = r[l][s + SH][e];
+      }
+      // (one copy of the plane's code, not unrolled: its result enters the ring's slot
+      // by constant indices)
+#pragma unroll 1
+      for (int s = t == 0 ? 0 : (NS > SH ? NS - SH : 0); s < NS; ++s) {
+        const int x0 = i0 * SH - ph + s, x1 = x0 + dx;
+        Acc tn[NL][V];
+        for (int l = 0; l < NL; ++l)
+#pragma unroll
+          for (int e = 0; e < V; ++e) tn[l][e] = (Acc)0;
+        if (x0 >= 0 && x0 < H && x1 >= 0 && x1 < H) {  // (uniform across the warp)
+          for (int l = 0; l < NL; ++l) {  // Q_u: a lane's row y, columns [y1, y1 + V)
+            const int lane = lane0 + l, y = lane >> 1, y1 = (lane & 1) * V;
+            if (y >= W || y1 >= W) continue;
+            Acc q[V];
+#pragma unroll
+            for (int e = 0; e < V; ++e) q[e] = (Acc)0;
+            sum_terms<Acc, T, V, PLANE_INFLIGHT>(
+                q, gamma, ogb + x0 * a.sg2 + y * a.sg3 + x1 * a.sg4 + y1, a.sg1, mu,
+                omb + x0 * a.sm2 + y * a.sm3, omb + x1 * a.sm2 + y1, a.sm1, a.Cg);
+            stv<Acc, V, 0>(Qs + (y + pw) * qp + a.qcol + y1, q);
+          }
+          PLANE_SYNC();
+          for (int l = 0; l < NL; ++l) {  // T_u: a lane's row j0, columns [j1, j1 + V)
+            const int lane = lane0 + l, j0 = lane >> 1, j1 = (lane & 1) * V;
+            if (j0 >= Wo || j1 >= Wo) continue;
+            const Acc* q = Qs + j0 * sw * qp + j1 * sw + qc;
+            for (int ji = 0; ji < kw; ++ji, q += dw * (qp + 1)) {
+#pragma unroll
+              for (int e = 0; e < V; ++e) tn[l][e] = aadd(tn[l][e], q[e * sw]);
+            }
+          }
+          PLANE_SYNC();  // before the next plane's Q overwrites this one
+        }
+        for (int l = 0; l < NL; ++l)
+#pragma unroll
+          for (int k = 0; k < NS; ++k)
+            if (k == s) {
+#pragma unroll
+              for (int e = 0; e < V; ++e) r[l][k][e] = tn[l][e];
+            }
+      }
+      for (int l = 0; l < NL; ++l) {  // S_t, and c * S_t into out
+        const int lane = lane0 + l, j0 = lane >> 1, j1 = (lane & 1) * V;
+        if (j0 >= Wo || j1 >= Wo) continue;
+        Acc s[V];
+#pragma unroll
+        for (int e = 0; e < V; ++e) s[e] = r[l][0][e];
+#pragma unroll
+        for (int ii = 1; ii < KH; ++ii)
+#pragma unroll
+          for (int e = 0; e < V; ++e) s[e] = aadd(s[e], r[l][ii * DH][e]);
+        const i64 oo = oob + i0 * a.so2 + j0 * a.so3 + i1 * a.so4 + j1;
+        add_cs<T, Acc, V, PLANE_INFLIGHT>((T*)a.out + oo, (const T*)a.src + oo, a.so1, Cog,
+                                          nullptr, a, g * Cog, s);
+      }
     }
   }
 }
@@ -957,7 +1122,9 @@ _SIZE = {"f16": 2, "bf16": 2, "float": 4, "double": 8}
 
 def _family_names(family):
     """name_expressions of one RawModule: a storage type and an accumulation type."""
-    kind, cxx, acc = family
+    kind, cxx, acc = family[:3]
+    if kind == "plane":  # the plane walk, its ring's extent (kh, sh, dh) compiled in
+        return ["cc_plane<{}, {}, {}, {}, {}>".format(cxx, acc, *family[3:])]
     if kind == "vjp":  # the backward: grad_gamma stored as cxx (or only D, stored as acc)
         stores = dict.fromkeys((cxx, acc))
         return ([f"cc_vjp_gamma<{t}, {acc}, {v}>" for t in stores for v in _widths(_SIZE[t])]
@@ -1212,6 +1379,17 @@ class CupyBackend(Backend):
             v = _plan.widen(vector_width(o_size, Wo, (so[5],), (Wo,), so[:5], oi.ptr), o_size, Wo)
         if not stream and in_cxx != o_cxx:  # gamma and mu typed only as out's dtype
             in_cxx, vg = "anyt", 1  # (the family's type)
+        # A warp a diagonal where the planes fit a warp: one dtype, 16-byte aligned rows
+        pl = (_plan.plane(B, G, Ho, W, Wo, p.kh, p.kw, p.sw, p.dh, p.dw, p.pw, acc_size)
+              if not stream and in_cxx == o_cxx and vg * in_size >= 16 and v * o_size >= 16
+              else None)
+        if pl is not None:
+            family = ("plane", o_cxx, acc_cxx, p.kh, p.sh, p.dh)
+            warps = _THREADS // 32
+            grid = (min(-(-pl.n // warps), _plan.MAX_GRID_X),)
+            return _Plan([launch(_family_names(family)[0], family, grid, smem=warps * pl.smem,
+                                 n=pl.n, qrows=pl.qrows, qpitch=pl.qpitch, qcol=pl.qcol)],
+                         0, acc)
         wk = _plan.walk(B, G, p.Ci // G, W, Ho, Wo, p.kh, p.kw, p.sh, p.sw, p.dh, p.dw, v,
                         vg, acc_size, 0 if stream else Cog, sms)
         sizes = dict(n=wk.n, runp=wk.R, seglen=wk.seglen, nseg=wk.nseg, tj0=wk.tj0,

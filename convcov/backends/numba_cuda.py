@@ -21,6 +21,10 @@ sizes from ``convcov.backends._plan``:
 * ``stream``: where many output channels share S (``_plan.STREAM_BYTES``) and out's
   ``(i1, j1)`` rows are contiguous, ``walk`` stores S and this kernel streams
   ``out[b, c0] += c[c0] * S[b, g]`` in address order.
+* ``plane`` (``_plan.plane``, cupy's ``cc_plane``): where a plane of the input fits a warp
+  and ``c * S`` goes straight into out, a block of one warp walks a whole diagonal alone:
+  the same sums, ``Q_u`` in registers, its row filter through the block's own plane of
+  shared memory, and the ring of ``T_u`` in registers (its extent compiled in).
 
 Terms with a position in the padding are absent (SPEC section 1): shared memory holds
 zeros there, never a product, so NaN/Inf in ``mu`` never meets a padded zero. Index
@@ -380,6 +384,25 @@ if _IMPORT_ERROR is None:
 
         return terms
 
+    def _make_channel_sum(K, VG, ACC):
+        """Device function: add the Cg channels' terms of one cell of Q (VG consecutive y1)
+        into ``s`` (_make_terms), K channels' loads in flight a pass, then one at a time."""
+        terms_k, terms_1 = _make_terms(K, VG, ACC), _make_terms(1, VG, ACC)
+
+        @cuda.jit(device=True)
+        def channel_sum(s, gptr, og, gsc, has_g, mptr, om0, om1, msc, Cg, zero):
+            ci = 0
+            while ci + K <= Cg:
+                terms_k(s, gptr, og + ci * gsc, gsc, has_g, mptr, om0 + ci * msc,
+                        om1 + ci * msc, msc, zero)
+                ci += K
+            while ci < Cg:
+                terms_1(s, gptr, og + ci * gsc, gsc, has_g, mptr, om0 + ci * msc,
+                        om1 + ci * msc, msc, zero)
+                ci += 1
+
+        return channel_sum
+
     def _make_walk(V, VG, STORE, ACC, OT):
         """cupy's cc_walk (sizes: ``_plan.walk``, ``wk``). A block takes one (b, g), one
         diagonal di = i1 - i0 of S's planes S[b, g, i0, :, i1, :] (or a segment of it: the
@@ -407,7 +430,7 @@ if _IMPORT_ERROR is None:
         each is read from c where it is used)."""
         U, VT = _plan.UNROLL, 4  # VT: rows of T a thread forms at once (one column)
         UV = U * V  # a local array's size must be a constant, not an expression
-        terms_u, terms_1 = _make_terms(U, VG, ACC), _make_terms(1, VG, ACC)
+        channel_sum = _make_channel_sum(U, VG, ACC)
         ldo, sto = _LDV[V, "cs"], _STV[V, "" if STORE else "cs"]
 
         def walk(optr, obase, ost, gptr, gbase, gst, has_g, mptr, mbase, mst, cptr, cbase,
@@ -492,17 +515,8 @@ if _IMPORT_ERROR is None:
                                     s = cuda.local.array(VG, ACC)
                                     for e in range(VG):
                                         s[e] = zero
-                                    ci = 0
-                                    while ci + U <= Cg:
-                                        terms_u(s, gptr, og + ci * gst[1], gst[1], has_g, mptr,
-                                                om0 + ci * mst[1], om1 + ci * mst[1], mst[1],
-                                                zero)
-                                        ci += U
-                                    while ci < Cg:
-                                        terms_1(s, gptr, og + ci * gst[1], gst[1], has_g, mptr,
-                                                om0 + ci * mst[1], om1 + ci * mst[1], mst[1],
-                                                zero)
-                                        ci += 1
+                                    channel_sum(s, gptr, og, gst[1], has_g, mptr, om0, om1,
+                                                mst[1], Cg, zero)
                                     lc = y1 - Y1lo + off
                                     q = (a * hq + y0 - Y0lo) * wq + lc
                                     for e in range(VG):  # a vector across the tile's edge:
@@ -590,6 +604,139 @@ if _IMPORT_ERROR is None:
                 bid += cuda.gridDim.x
 
         return walk
+
+    def _make_plane(KH, SH, DH, ACC, OT):
+        """cupy's cc_plane (sizes: ``_plan.plane``, ``pl``), where a plane of the input fits a
+        warp and c * S goes straight into out. A block of one warp takes one (b, g) and one
+        diagonal di = i1 - i0 of S's planes and walks it alone: its barriers wait for its
+        own lanes only. Lane l holds row l >> 1, columns [V (l & 1), +V) of a plane: of
+        Q_u (the group's channel sum, formed in registers, a vector of gamma a channel),
+        then of T_u and S_t (rows j0, columns j1). T_u is Q_u row-filtered through the
+        block's plane of dynamic shared memory (``qrows`` x ``qpitch`` ACC elements, Q's
+        rows from row pw and its columns from column ``qcol``; the zero border around them
+        is the padding: no bounds checks). The NS = DH (KH - 1) + 1 planes of T that S_t
+        sums are a ring in registers: slot s holds the plane of input rows
+        x0 = i0 sh - ph + s, x1 = x0 + di sh. A step forms the SH planes it lacks (all NS
+        at first) and pushes each in, the ring moving down a slot: SH, the slots a step
+        moves it (min(sh, NS): past NS a step keeps none; sh itself comes from ``geo``),
+        KH and DH are compile-time constants, so every index into the ring is one and it
+        stays in registers (a store into slot s, chosen at run time, put it on the stack,
+        even unrolled as cupy's "if k == s"). Items: (rank, b, g), the longest diagonals
+        first; a block loops over them. Under the simulator (4 threads a block, _dims) a thread
+        takes NL lanes in turn."""
+        V, NS = _plan.PLANE_V, DH * (KH - 1) + 1
+        NL = 8 if SIM else 1  # lanes a thread: a warp's 32 over the block's threads
+        KEEP = max(0, NS - SH)  # slots a step keeps
+        # channels whose loads of gamma (or out) are in flight together: PLANE_INFLIGHT bytes
+        UP = max(1, PLANE_INFLIGHT // (V * OT.bitwidth // 8))
+        NLV, RING, UPV = NL * V, NL * NS * V, UP * V  # (local arrays' sizes: constants)
+        channel_sum = _make_channel_sum(UP, V, ACC)
+        ldo, sto = _LDV[V, "cs"], _STV[V, "cs"]
+
+        def plane(optr, obase, ost, gptr, gbase, gst, has_g, mptr, mbase, mst, cptr, cbase,
+                  cst, has_c, cval, geo, pl, n, zero):
+            B, G, Cg, Cog = geo[0], geo[1], geo[2], geo[3]
+            H, W, Ho, Wo = geo[4], geo[5], geo[6], geo[7]
+            kw, sh, sw, ph, pw, dw = geo[9], geo[10], geo[11], geo[12], geo[13], geo[15]
+            qrows, qp, qcol = pl
+            qc = qcol - pw  # T_u[j0, j1]'s first read: Q_u[j0 sw - pw, j1 sw - pw]
+            sm = cuda.shared.array(0, ACC)
+            tid, nthr = cuda.threadIdx.x, cuda.blockDim.x
+            e = tid
+            while e < qrows * qp:  # (the border is never written again)
+                sm[e] = zero
+                e += nthr
+            cuda.syncthreads()
+            r = cuda.local.array(RING, ACC)  # the ring: lane li's slot s at (li NS + s) V
+            tn = cuda.local.array(NLV, ACC)  # the plane of T being formed, a lane's V
+            bid = cuda.blockIdx.x
+            while bid < n:  # bid = rank * B*G + (b*G + g)
+                rank = _div(bid, B * G)
+                b = _div(bid - rank * B * G, G)
+                g = bid - rank * B * G - b * G
+                di = -((rank + 1) >> 1) if rank & 1 else rank >> 1  # 0, -1, 1, -2, 2, ...
+                L = _i32(Ho - abs(di))
+                i0d, dx = _i32(max(0, -di)), _i32(di * sh)
+                ogb = gbase + b * gst[0] + g * Cg * gst[1]
+                omb = mbase + b * mst[0] + g * Cg * mst[1]
+                oob = obase + b * ost[0] + g * Cog * ost[1]
+                for t in range(L):
+                    i0 = i0d + t
+                    oot = oob + i0 * ost[2] + (i0 + di) * ost[4]
+                    # the planes the ring lacks (all at first), pushed in order
+                    s = 0 if t == 0 else KEEP
+                    while s < NS:
+                        x0 = i0 * sh - ph + s
+                        x1 = x0 + dx
+                        for e in range(NLV):
+                            tn[e] = zero
+                        if x0 >= 0 and x0 < H and x1 >= 0 and x1 < H:  # (uniform: barriers)
+                            for li in range(NL):  # Q_u: a lane's row y0, columns [y1, y1 + V)
+                                lane = tid * NL + li
+                                y0, y1 = lane >> 1, (lane & 1) * V
+                                if y0 < W and y1 < W:
+                                    q = cuda.local.array(V, ACC)
+                                    for e in range(V):
+                                        q[e] = zero
+                                    og = (ogb + x0 * gst[2] + y0 * gst[3] + x1 * gst[4]
+                                          + y1 * gst[5])
+                                    om0 = omb + x0 * mst[2] + y0 * mst[3]
+                                    om1 = omb + x1 * mst[2] + y1 * mst[3]
+                                    channel_sum(q, gptr, og, gst[1], has_g, mptr, om0, om1,
+                                                mst[1], Cg, zero)
+                                    at = (y0 + pw) * qp + qcol + y1
+                                    for e in range(V):
+                                        sm[at + e] = q[e]
+                            cuda.syncthreads()
+                            for li in range(NL):  # T_u: a lane's row j0, columns [j1, j1 + V)
+                                lane = tid * NL + li
+                                j0, j1 = lane >> 1, (lane & 1) * V
+                                if j0 < Wo and j1 < Wo:
+                                    at = j0 * sw * qp + j1 * sw + qc
+                                    for _ in range(kw):
+                                        for e in range(V):
+                                            tn[li * V + e] += sm[at + e * sw]
+                                        at += dw * (qp + 1)
+                            cuda.syncthreads()  # before the next plane's Q overwrites this one
+                        for li in range(NL):  # pushed: the ring moves down a slot
+                            for k in range(NS - 1):
+                                for e in range(V):
+                                    r[(li * NS + k) * V + e] = r[(li * NS + k + 1) * V + e]
+                            for e in range(V):
+                                r[(li * NS + NS - 1) * V + e] = tn[li * V + e]
+                        s += 1
+                    for li in range(NL):  # S_t, and c * S_t into out
+                        lane = tid * NL + li
+                        j0, j1 = lane >> 1, (lane & 1) * V
+                        if j0 < Wo and j1 < Wo:
+                            sv = cuda.local.array(V, ACC)
+                            for e in range(V):
+                                sv[e] = r[li * NS * V + e]
+                            for ii in range(1, KH):
+                                for e in range(V):
+                                    sv[e] += r[(li * NS + ii * DH) * V + e]
+                            oo = oot + j0 * ost[3] + j1 * ost[5]
+                            res = cuda.local.array(V, OT)
+                            k = 0
+                            while k < Cog:  # UP channels a pass
+                                old = cuda.local.array(UPV, OT)
+                                for w in range(UP):
+                                    if k + w < Cog:
+                                        vo = ldo(optr, oo + (k + w) * ost[1])
+                                        for e in range(V):
+                                            old[w * V + e] = vo[e]
+                                for w in range(UP):
+                                    if k + w < Cog:
+                                        cv = _c_of(cptr, cbase, cst, has_c, cval,
+                                                   g * Cog + k + w, zero)
+                                        for e in range(V):
+                                            res[e] = _to_elem(optr, _to_acc(
+                                                old[w * V + e], zero) + cv * sv[e])
+                                        sto(optr, oo + (k + w) * ost[1], res, 0)
+                                k += UP
+                bid += cuda.gridDim.x
+
+        return plane
 
     def _make_stream(V, ACC, OT):
         """out[b, c0] += c[c0] * S[b, g(c0)] in address order: per (b, c0) (blockIdx.z),
@@ -815,10 +962,11 @@ def _signature(name, elems, acc):
     ptr = [nbt.CPointer(getattr(nbt, e)) for e in elems]
     t6, t4, geo = nbt.UniTuple(i64, 6), nbt.UniTuple(i64, 4), nbt.UniTuple(i64, 16)
     a_ptr = nbt.CPointer(A)
-    if name.startswith("walk"):  # out (walk_s: S), gamma, mu, c
+    if name.startswith(("walk", "plane")):  # out (walk_s: S), gamma, mu, c
         o, g, m, c = ptr
-        args = (o, i64, t6, g, i64, t6, i64, m, i64, t4, c, i64, i64, i64, A, geo,
-                nbt.UniTuple(i64, 12), i64, A)
+        sizes = nbt.UniTuple(i64, 12 if name.startswith("walk") else 3)  # _plan.Walk, Plane
+        args = (o, i64, t6, g, i64, t6, i64, m, i64, t4, c, i64, i64, i64, A, geo, sizes, i64,
+                A)
     elif name == "stream":  # out, c
         args = (ptr[0], i64, t6, ptr[1], i64, i64, i64, A, a_ptr, geo, i64, i64, A)
     elif name == "vjp_gamma":  # grad_S, grad_gamma
@@ -832,8 +980,11 @@ def _kernel_function(name, elems, acc, V=1):
     """The Python function of kernel ``name`` before Numba compiles it (also what
     tests/_compile_numba_cuda.py compiles for sm_90 without a GPU). The walk's names:
     "walk" adds into out, "walk_s" stores S; "_vg16", "_vg32": gamma and mu read 16 or 32
-    bytes a load (else one element)."""
+    bytes a load (else one element). The plane walk's: "plane_KH_SH_DH" (_plane_name)."""
     A, OT = getattr(nbt, acc), getattr(nbt, elems[0])
+    if name.startswith("plane"):
+        KH, SH, DH = map(int, name.split("_")[1:])
+        return _make_plane(KH, SH, DH, A, OT)
     if name.startswith("walk"):
         vg_bytes = int(name.rsplit("_vg", 1)[1]) if "_vg" in name else 0
         VG = max(1, vg_bytes // np.dtype(elems[2]).itemsize)
@@ -848,12 +999,29 @@ def _kernel_function(name, elems, acc, V=1):
 #: 16-bit values a register each); at 128 ptxas spills some, at 80 (cupy's 3) several
 #: times as much (docs/numba_cuda.md, "Registers"). Not timed yet.
 WALK_BLOCKS = 2
-
+#: Blocks of one warp a multiprocessor ptxas sizes the plane walk's registers for: 16, 128
+#: registers a thread as the walk's, since the ring alone may take _plan.PLANE_RING and
+#: Numba's 64-bit indices more than cupy's (80 a thread). Other bounds not timed.
+PLANE_BLOCKS = 16
+#: Bytes of gamma's (and out's) loads a lane of the plane walk has in flight (cupy's
+#: PLANE_INFLIGHT): a warp's load is 512 bytes already, and the ring holds the registers.
+PLANE_INFLIGHT = 32
 
 def _launch_bounds(name):
     """Numba's ``launch_bounds`` of kernel ``name``: (threads a block, blocks a
     multiprocessor), the registers ptxas may use."""
+    if name.startswith("plane"):  # one warp a block
+        return (32, PLANE_BLOCKS)
     return (_plan.THREADS, WALK_BLOCKS if name.startswith("walk") else 1)
+
+
+def _plane_name(kh, sh, dh):
+    """The plane walk's kernel for a layer's kh, sh and dh: "plane_KH_SH_DH", the ring's
+    extent compiled in. SH is the slots the ring moves on a step, min(sh, NS) (a stride
+    past the ring's NS planes keeps none; the kernel takes sh itself from geo), and DH is
+    1 where kh is (a ring of one plane): the layers that share a ring share a kernel."""
+    ns = dh * (kh - 1) + 1
+    return f"plane_{kh}_{min(sh, ns)}_{dh if kh > 1 else 1}"
 
 
 def _kernel(name, elems, acc, V=1):
@@ -1122,8 +1290,8 @@ def _widths(itemsize):
 
 def _make_plan(p, dev_id):
     """The launches of one call signature, as cupy's ``CupyBackend._plan`` chooses them
-    (the same vector widths, STREAM_BYTES rule and ``_plan.walk`` sizes): kernels, launch
-    sizes and every argument but the addresses and the number c."""
+    (the same vector widths, STREAM_BYTES rule, ``_plan.plane`` rule and ``_plan.walk``
+    sizes): kernels, launch sizes and every argument but the addresses and the number c."""
     acc = p.acc
     zero = np.dtype(acc).type(0) if SIM else 0.0
     B, G, W, Ho, Wo = p.B, p.G, p.W, p.Ho, p.Wo
@@ -1166,11 +1334,20 @@ def _make_plan(p, dev_id):
     else:
         v = _plan.widen(vector_width(o_size, Wo, (ost[5],), (Wo,), ost[:5], oi.ptr), o_size, Wo)
         vg = vg if mi.dtype == oi.dtype else 1
+    inputs = (gsrc, gbase, gst, has_g, _MU, mbase, mst)
+    # A warp a diagonal where the planes fit a warp (cupy's rule): c * S straight into out,
+    # gamma and mu 16-byte vectors of out's dtype, out's rows 16-byte vectors.
+    pl = (_plan.plane(B, G, Ho, W, Wo, p.kh, p.kw, p.sw, p.dh, p.dw, p.pw, a_size)
+          if not stream and vg * in_size >= 16 and v * o_size >= 16 else None)
+    if pl is not None:
+        return _Plan([_Launch(_plane_name(p.kh, p.sh, p.dh), (out_t, gamma_t, mu_t, c_t), acc,
+                              _plan.PLANE_V, (min(pl.n, _plan.MAX_GRID_X),), (32,),
+                              (_OUT, obase, ost, *inputs, csrc, cbase, cst, has_c, _CVAL, geo,
+                               (pl.qrows, pl.qpitch, pl.qcol), pl.n, zero), pl.smem)])
     wk = _plan.walk(B, G, p.Ci // G, p.W, Ho, Wo, p.kh, p.kw, p.sh, p.sw, p.dh, p.dw, v, vg,
                     a_size, 0 if stream else Cog, _sms(dev_id))
     sizes = (wk.R, wk.seglen, wk.nseg, wk.tj0, wk.tj1, wk.ntj1, wk.ntile, wk.nq, wk.nslot,
              wk.wq, wk.tp, int(wk.csm))
-    inputs = (gsrc, gbase, gst, has_g, _MU, mbase, mst)
     name = "walk" + ("_s" if stream else "") + (f"_vg{vg * in_size}" if vg > 1 else "")
     if not stream:
         return _Plan([_Launch(name, (out_t, gamma_t, mu_t, c_t), acc, v, wk.grid,
