@@ -788,9 +788,9 @@ __global__ void __launch_bounds__(THREADS, WALK_BLOCKS) cc_walk(const Args a) {
 // INFLIGHT of cc_plane: 32 bytes keep it within 128 registers (64 spill); a warp's load
 // of a plane's row vectors is 512 bytes already
 #define PLANE_INFLIGHT 32
+// Two blocks a multiprocessor, 128 registers: at three (80) ptxas spills, and mb-dw and
+// grp8 run 1.1-1.4x slower on an H100.
 template <typename T, typename Acc, int KH, int SH, int DH>
-// two blocks a multiprocessor, 128 registers: at three (80) ptxas spills, and mb-dw and
-// grp8 run 1.1-1.4x slower on an H100
 __global__ void __launch_bounds__(THREADS, 2) cc_plane(const Args a) {
   enum { NS = DH * (KH - 1) + 1, V = PLANE_V, WARPS = THREADS / 32 };
 #ifdef __CUDA_ARCH__
