@@ -454,10 +454,10 @@ template <typename Acc, int VG> struct In<Acc, anyt, VG> {
 
 // s += sum over Cg channels of VG elements of an input at off + ci * step, INFLIGHT bytes of
 // loads in flight before their sums.
-template <typename Acc, typename T, int VG, int HINT, int INF = INFLIGHT>
+template <typename Acc, typename T, int VG, int HINT>
 __device__ __forceinline__ void sum_channels(Acc (&s)[VG], const void* p, i64 off, i64 step,
                                              i64 Cg, int dt) {
-  enum { UNROLL = LOADS_IN(INF, VG * (int)sizeof(T)) };
+  enum { UNROLL = LOADS_FOR(VG * (int)sizeof(T)) };
   i64 ci = 0;
   for (; ci + UNROLL <= Cg; ci += UNROLL, off += UNROLL * step) {
     In<Acc, T, VG> x[UNROLL];
@@ -483,10 +483,10 @@ __device__ __forceinline__ void sum_channels(Acc (&s)[VG], const void* p, i64 of
 
 // s += sum over Cg channels of mu[o0] * mu[o1 .. o1 + VG) (mu is small: its loads hit the
 // caches), INFLIGHT bytes of loads in flight.
-template <typename Acc, typename T, int VG, int INF = INFLIGHT>
+template <typename Acc, typename T, int VG>
 __device__ __forceinline__ void sum_products(Acc (&s)[VG], const void* mu, i64 o0, i64 o1,
                                              i64 step, i64 Cg, int dt) {
-  enum { UNROLL = LOADS_IN(INF, VG * (int)sizeof(T)) };
+  enum { UNROLL = LOADS_FOR(VG * (int)sizeof(T)) };
   i64 ci = 0;
   for (; ci + UNROLL <= Cg; ci += UNROLL, o0 += UNROLL * step, o1 += UNROLL * step) {
     In<Acc, T, 1> m0[UNROLL];
@@ -784,7 +784,7 @@ __global__ void __launch_bounds__(THREADS, WALK_BLOCKS) cc_walk(const Args a) {
 // SH, DH compiled in, so its slots are registers): slot s of S_t's ring holds the plane of
 // input rows x0 = i0 * SH - ph + s, x1 = x0 + di * SH. Items: (rank, b, g), the longest
 // diagonals first; a warp loops over them.
-#define PLANE_V 8
+#define PLANE_V """ + str(_plan.PLANE_V) + r"""  // _plan.PLANE_V
 // INFLIGHT of cc_plane: 32 bytes keep it within 128 registers (64 spill); a warp's load
 // of a plane's row vectors is 512 bytes already
 #define PLANE_INFLIGHT 32

@@ -622,8 +622,8 @@ if _IMPORT_ERROR is None:
         KH and DH are compile-time constants, so every index into the ring is one and it
         stays in registers (a store into slot s, chosen at run time, put it on the stack,
         even unrolled as cupy's "if k == s"). Items: (rank, b, g), the longest diagonals
-        first; a block loops over them. Under the simulator (4 threads a block, _dims) a thread
-        takes NL lanes in turn."""
+        first; a block loops over them. Under the simulator (4 threads a block, _dims) a
+        thread takes NL lanes in turn."""
         V, NS = _plan.PLANE_V, DH * (KH - 1) + 1
         NL = 8 if SIM else 1  # lanes a thread: a warp's 32 over the block's threads
         KEEP = max(0, NS - SH)  # slots a step keeps
@@ -1006,6 +1006,7 @@ PLANE_BLOCKS = 16
 #: Bytes of gamma's (and out's) loads a lane of the plane walk has in flight (cupy's
 #: PLANE_INFLIGHT): a warp's load is 512 bytes already, and the ring holds the registers.
 PLANE_INFLIGHT = 32
+
 
 def _launch_bounds(name):
     """Numba's ``launch_bounds`` of kernel ``name``: (threads a block, blocks a
