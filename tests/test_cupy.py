@@ -699,6 +699,7 @@ _HOST_CASES = [  # (B, Ci, Co, G, H, W, k, stride, padding, dilation)
     (1, 3, 6, 3, 5, 16, (3, 3), (2, 2), (1, 1), (1, 1)),  # two output channels a group, 16 wide
     (1, 4, 4, 2, 6, 16, (3, 3), (1, 1), (2, 2), (2, 2)),  # dilated: a ring of five planes
     (1, 2, 2, 1, 4, 16, (1, 1), (2, 2), (0, 0), (1, 1)),  # every other plane skipped
+    (1, 5, 5, 1, 5, 8, (3, 3), (1, 1), (1, 1), (1, 1)),  # more channels than are copied ahead
 ]
 
 

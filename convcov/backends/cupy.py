@@ -22,10 +22,10 @@ stores S instead and ``cc_stream`` adds ``c[c0] * S`` into out in address order,
 re-read from L2. The sizes (planes of S a step, tiles of a plane, segments of a diagonal,
 lanes a channel sum) come from ``convcov.backends._plan.walk``, which the ``numba_cuda``
 backend shares. Where a plane of the input fits a warp and c * S goes straight into out,
-``cc_plane`` walks a diagonal with a warp instead of a block (``_plan.plane``): Q in
-registers, its row filter through the warp's own shared memory, the ring of T in
-registers (the kernel compiled for the layer's ``kh``, ``sh``, ``dh``), no block-wide
-barrier.
+``cc_plane`` walks a wrapped diagonal with a warp instead of a block (``_plan.plane``): Q
+in registers, its row filter through the warp's own shared memory, the ring of T in
+registers (the kernel compiled for the layer's ``kh``, ``sh``, ``dh``), the next plane's
+gamma and the next step's out copied ahead into shared memory, no block-wide barrier.
 
 Scratch: S, only where it goes through memory (``B*G*(Ho*Wo)**2`` accumulation-type
 elements), allocated stream-ordered from the arrays' library. A tile of Q in shared memory
@@ -102,7 +102,7 @@ _FIELDS = (
     "runp", "seglen", "nseg", "tj0", "tj1", "ntj1", "ntile", "nq", "wq", "nslot", "tp", "nch",
     "csm",
     "nseg_rows", "seg_len",                    # cc_stream: rows of out[b, c0], their length
-    "qrows", "qpitch", "qcol",                 # cc_plane: a warp's plane of Q in shared memory
+    "qrows", "qpitch", "qcol", "nst", "nso",   # cc_plane: a warp's plane of Q, channels staged
     "nchunk", "chunk",                         # cc_vjp_gamma: a group's channels in chunks
     # the backward (patch_moment_vjp): grad_S in; grad_gamma, grad_mu out; D, link: scratch
     "gs", "gg", "gm", "dsc", "lnk",            # device addresses (0 when absent)
@@ -308,6 +308,33 @@ __device__ __forceinline__ void stv(T* p, const T (&r)[V]) {
   C* d = reinterpret_cast<C*>(p);
 #pragma unroll
   for (int i = 0; i < NB / CB; ++i) sth<HINT>(d + i, u.c[i]);
+}
+
+// Asynchronous copies of 16-byte chunks from global into shared memory (sm_80 on; before
+// it, and in the host build, plain copies): the data bypass the registers, so a warp can
+// have the next plane's loads in flight while it works on this one.
+template <int BYTES>
+__device__ __forceinline__ void cp_async(void* smem, const void* global) {
+#pragma unroll
+  for (int i = 0; i < BYTES / 16; ++i) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::
+                 "r"((unsigned)__cvta_generic_to_shared((char*)smem + 16 * i)),
+                 "l"((const char*)global + 16 * i) : "memory");
+#else
+    reinterpret_cast<uint4*>(smem)[i] = reinterpret_cast<const uint4*>(global)[i];
+#endif
+  }
+}
+__device__ __forceinline__ void cp_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void cp_wait_all() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+#endif
 }
 
 // Run-time typed access, for the small arrays (mu, c) and the generic kernel: the dtype
@@ -774,16 +801,21 @@ __global__ void __launch_bounds__(THREADS, WALK_BLOCKS) cc_walk(const Args a) {
 
 // ---------------------------------------------------------------- the plane walk
 // Where a plane of the input fits a warp (W and Wo multiples of 8, at most 16) and c * S
-// goes straight into out: a warp takes one (b, g) and one diagonal di = i1 - i0 of S's
-// planes and walks it alone, so no step waits at a block-wide barrier. Lane l holds row
-// l >> 1, columns [8 (l & 1), +8) of a plane: of Q_u (its group's channel sum, formed in
+// goes straight into out: a warp takes one (b, g) and walks one wrapped diagonal of S's
+// planes alone, so no step waits at a block-wide barrier. Lane l holds row l >> 1,
+// columns [8 (l & 1), +8) of a plane: of Q_u (its group's channel sum, formed in
 // registers, one vector of gamma a channel), then of T_u and S_t (rows j0, columns j1).
-// T_u is Q_u row-filtered through the warp's own plane of shared memory (qrows x qpitch,
-// Q_u's rows from row pw and its columns from column qcol, the zero border around it the
-// padding: no bounds checks); the planes of T that S_t sums are a ring in registers (KH,
-// SH, DH compiled in, so its slots are registers): slot s of S_t's ring holds the plane of
-// input rows x0 = i0 * SH - ph + s, x1 = x0 + di * SH. Items: (rank, b, g), the longest
-// diagonals first; a warp loops over them.
+// The first nst channels of each plane's gamma come by asynchronous copies into the
+// warp's staging area, issued while the warp works on the plane before (the next plane
+// of its walk), the others by loads when the plane is formed. T_u is Q_u row-filtered
+// through the warp's own plane of shared memory (qrows x qpitch, Q_u's rows from row pw
+// and its columns from column qcol, the zero border around it the padding: no bounds
+// checks); the planes of T that S_t sums are a ring in registers (KH, SH, DH compiled
+// in, so its slots are registers): slot s of S_t's ring holds the plane of input rows
+// x0 = i0 * SH - ph + s, x1 = x0 + di * SH. Items: (b, g, k) for k in [0, Ho): the warp
+// walks i0 = 0 .. Ho - 1 with i1 = (i0 + k) mod Ho (the diagonal k, then k - Ho), so
+// every item is Ho steps and the consecutive warps of one (b, g) read the same rows x0
+// of gamma, and of out the same i0, at once: neighbouring 32-byte rows, fetched together.
 #define PLANE_V """ + str(_plan.PLANE_V) + r"""  // _plan.PLANE_V
 // INFLIGHT of cc_plane: 32 bytes keep it within 128 registers (64 spill); a warp's load
 // of a plane's row vectors is 512 bytes already
@@ -807,26 +839,58 @@ __global__ void __launch_bounds__(THREADS, 2) cc_plane(const Args a) {
   const int H = (int)a.H, W = (int)a.W, Ho = (int)a.Ho, Wo = (int)a.Wo;
   const int kw = (int)a.kw, sw = (int)a.sw, dw = (int)a.dw, ph = (int)a.ph, pw = (int)a.pw;
   const int qp = (int)a.qpitch, qn = (int)(a.qrows * a.qpitch), qc = (int)a.qcol - pw;
-  const int Cog = (int)a.Cog;
+  const int Cog = (int)a.Cog, nst = (int)a.nst, nso = (int)a.nso;
   const void* gamma = (const void*)a.gamma;
   const void* mu = (const void*)a.mu;
   Acc* Qs = reinterpret_cast<Acc*>(walk_smem) + warp * qn;
+  // the staging areas: lane l's vector of gamma's staged channel ch at (ch * 32 + l) * V,
+  // of out's staged output channel k at Os + (k * 32 + l) * V
+  T* Gs = reinterpret_cast<T*>(reinterpret_cast<Acc*>(walk_smem) + WARPS * qn) +
+          warp * (nst + nso) * 32 * V;
+  T* Os = Gs + nst * 32 * V;
   for (int l = 0; l < NL; ++l)
     for (int e = lane0 + l; e < qn; e += 32) Qs[e] = (Acc)0;
   PLANE_SYNC();
-  const i64 BG = a.B * a.G;
   Acc r[NL][NS][V];  // the ring of T: slot s holds the plane of rows x0 = i0 * SH - ph + s
 
   for (i64 id = (i64)blockIdx.x * WARPS + warp; id < a.n; id += (i64)gridDim.x * WARPS) {
-    i64 rank, bg, b, g;
-    divmod(id, BG, rank, bg);
+    i64 bg, kd, b, g;
+    divmod(id, (i64)Ho, bg, kd);
     divmod(bg, a.G, b, g);
-    const int di = rank == 0 ? 0 : (rank & 1 ? -(int)(rank + 1) / 2 : (int)rank / 2);
-    const int L = Ho - (di < 0 ? -di : di), i0d = di < 0 ? -di : 0, dx = di * SH;
     const i64 ogb = b * a.sg0 + g * a.Cg * a.sg1, omb = b * a.sm0 + g * a.Cg * a.sm1;
     const i64 oob = b * a.so0 + g * Cog * a.so1;
-    for (int t = 0; t < L; ++t) {
-      const int i0 = i0d + t, i1 = i0 + di;
+    // copies of the first nst channels of plane (x0, x1)'s gamma, and of the first nso
+    // output channels of out's plane (i0, i1), into the staging areas
+    int sx0 = -1, sx1 = -1, si0 = -1;  // the plane and the step staged (-1: none)
+    auto stage = [&](int x0, int x1) {
+      if (nst == 0) return;
+      for (int l = 0; l < NL; ++l) {
+        const int lane = lane0 + l, y = lane >> 1, y1 = (lane & 1) * V;
+        if (y >= W || y1 >= W) continue;
+        const T* src = (const T*)gamma + ogb + x0 * a.sg2 + y * a.sg3 + x1 * a.sg4 + y1;
+        for (int ch = 0; ch < nst; ++ch)
+          cp_async<V * (int)sizeof(T)>(Gs + (ch * 32 + lane) * V, src + ch * a.sg1);
+      }
+      cp_commit();
+      sx0 = x0; sx1 = x1;
+    };
+    auto stage_out = [&](int i0, int i1) {
+      if (nso == 0) return;
+      for (int l = 0; l < NL; ++l) {
+        const int lane = lane0 + l, j0 = lane >> 1, j1 = (lane & 1) * V;
+        if (j0 >= Wo || j1 >= Wo) continue;
+        const T* src = (const T*)a.src + oob + i0 * a.so2 + j0 * a.so3 + i1 * a.so4 + j1;
+        for (int k = 0; k < nso; ++k)
+          cp_async<V * (int)sizeof(T)>(Os + (k * 32 + lane) * V, src + k * a.so1);
+      }
+      cp_commit();
+      si0 = i0;
+    };
+    // i1 = (i0 + kd) mod Ho: the diagonal kd, then from the wrap on the diagonal kd - Ho
+    for (int i0 = 0, t = 0, di = (int)kd; i0 < Ho; ++i0, ++t) {
+      if (i0 == Ho - di) { di -= Ho; t = 0; }  // (a new diagonal: the ring starts again)
+      const int i1 = i0 + di, dx = di * SH;
+      if (si0 != i0) stage_out(i0, i1);  // (the item's first step)
       // the ring moved on by SH planes; the planes it lacks formed (all of them at first)
       if (t > 0) {
         for (int l = 0; l < NL; ++l)
@@ -845,18 +909,39 @@ __global__ void __launch_bounds__(THREADS, 2) cc_plane(const Args a) {
 #pragma unroll
           for (int e = 0; e < V; ++e) tn[l][e] = (Acc)0;
         if (x0 >= 0 && x0 < H && x1 >= 0 && x1 < H) {  // (uniform across the warp)
+          if (sx0 != x0 || sx1 != x1) stage(x0, x1);  // (not staged ahead)
+          cp_wait_all();  // (a lane reads only the vectors it copied)
           for (int l = 0; l < NL; ++l) {  // Q_u: a lane's row y, columns [y1, y1 + V)
             const int lane = lane0 + l, y = lane >> 1, y1 = (lane & 1) * V;
             if (y >= W || y1 >= W) continue;
             Acc q[V];
 #pragma unroll
             for (int e = 0; e < V; ++e) q[e] = (Acc)0;
+            for (int ch = 0; ch < nst; ++ch) {
+              T v[V];
+              ldv<T, V, 2>(Gs + (ch * 32 + lane) * V, v);
+#pragma unroll
+              for (int e = 0; e < V; ++e) q[e] = aadd(q[e], Cv<Acc>::from(v[e]));
+            }
+            const i64 o0 = omb + x0 * a.sm2 + y * a.sm3, o1 = omb + x1 * a.sm2 + y1;
+            sum_terms<Acc, T, V, PLANE_INFLIGHT>(q, nullptr, 0, 0, mu, o0, o1, a.sm1, nst);
             sum_terms<Acc, T, V, PLANE_INFLIGHT>(
-                q, gamma, ogb + x0 * a.sg2 + y * a.sg3 + x1 * a.sg4 + y1, a.sg1, mu,
-                omb + x0 * a.sm2 + y * a.sm3, omb + x1 * a.sm2 + y1, a.sm1, a.Cg);
+                q, gamma, ogb + x0 * a.sg2 + y * a.sg3 + x1 * a.sg4 + y1 + nst * a.sg1, a.sg1,
+                mu, o0 + nst * a.sm1, o1 + nst * a.sm1, a.sm1, a.Cg - nst);
             stv<Acc, V, 0>(Qs + (y + pw) * qp + a.qcol + y1, q);
           }
+          sx0 = -1;
           PLANE_SYNC();
+          {  // the next plane of the walk (within the item), staged while this one is used
+            int sn = s + 1, i0n = i0, dn = di;
+            if (sn >= NS) {
+              ++i0n;
+              sn = NS > SH ? NS - SH : 0;
+              if (i0n == Ho - dn) { dn -= Ho; sn = 0; }
+            }
+            const int x0n = i0n * SH - ph + sn, x1n = x0n + dn * SH;
+            if (i0n < Ho && x0n >= 0 && x0n < H && x1n >= 0 && x1n < H) stage(x0n, x1n);
+          }
           for (int l = 0; l < NL; ++l) {  // T_u: a lane's row j0, columns [j1, j1 + V)
             const int lane = lane0 + l, j0 = lane >> 1, j1 = (lane & 1) * V;
             if (j0 >= Wo || j1 >= Wo) continue;
@@ -887,8 +972,22 @@ __global__ void __launch_bounds__(THREADS, 2) cc_plane(const Args a) {
 #pragma unroll
           for (int e = 0; e < V; ++e) s[e] = aadd(s[e], r[l][ii * DH][e]);
         const i64 oo = oob + i0 * a.so2 + j0 * a.so3 + i1 * a.so4 + j1;
-        add_cs<T, Acc, V, PLANE_INFLIGHT>((T*)a.out + oo, (const T*)a.src + oo, a.so1, Cog,
-                                          nullptr, a, g * Cog, s);
+        cp_wait_all();
+        for (int k = 0; k < nso; ++k) {  // the staged output channels
+          T o[V];
+          ldv<T, V, 2>(Os + (k * 32 + lane) * V, o);
+          const Acc ck = c_of<Acc>(a, g * Cog + k);
+#pragma unroll
+          for (int e = 0; e < V; ++e) Cv<Acc>::to(o[e], afma(ck, s[e], Cv<Acc>::from(o[e])));
+          stv<T, V, 1>((T*)a.out + oo + k * a.so1, o);
+        }
+        add_cs<T, Acc, V, PLANE_INFLIGHT>((T*)a.out + oo + nso * a.so1,
+                                          (const T*)a.src + oo + nso * a.so1, a.so1, Cog - nso,
+                                          nullptr, a, g * Cog + nso, s);
+      }
+      if (i0 + 1 < Ho) {  // the next step's out, staged while its planes are formed
+        const int dn = i0 + 1 == Ho - di ? di - Ho : di;
+        stage_out(i0 + 1, i0 + 1 + dn);
       }
     }
   }
@@ -1380,7 +1479,8 @@ class CupyBackend(Backend):
         if not stream and in_cxx != o_cxx:  # gamma and mu typed only as out's dtype
             in_cxx, vg = "anyt", 1  # (the family's type)
         # A warp a diagonal where the planes fit a warp: one dtype, 16-byte aligned rows
-        pl = (_plan.plane(B, G, Ho, W, Wo, p.kh, p.kw, p.sw, p.dh, p.dw, p.pw, acc_size)
+        pl = (_plan.plane(B, G, p.Ci // G, Cog, Ho, W, Wo, p.kh, p.kw, p.sw, p.dh, p.dw,
+                          p.pw, acc_size, in_size if gi else 0)
               if not stream and in_cxx == o_cxx and vg * in_size >= 16 and v * o_size >= 16
               else None)
         if pl is not None:
@@ -1388,7 +1488,8 @@ class CupyBackend(Backend):
             warps = _THREADS // 32
             grid = (min(-(-pl.n // warps), _plan.MAX_GRID_X),)
             return _Plan([launch(_family_names(family)[0], family, grid, smem=warps * pl.smem,
-                                 n=pl.n, qrows=pl.qrows, qpitch=pl.qpitch, qcol=pl.qcol)],
+                                 n=pl.n, qrows=pl.qrows, qpitch=pl.qpitch, qcol=pl.qcol,
+                                 nst=pl.nst, nso=pl.nso)],
                          0, acc)
         wk = _plan.walk(B, G, p.Ci // G, W, Ho, Wo, p.kh, p.kw, p.sh, p.sw, p.dh, p.dw, v,
                         vg, acc_size, 0 if stream else Cog, sms)

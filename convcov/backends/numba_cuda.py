@@ -621,8 +621,10 @@ if _IMPORT_ERROR is None:
         moves it (min(sh, NS): past NS a step keeps none; sh itself comes from ``geo``),
         KH and DH are compile-time constants, so every index into the ring is one and it
         stays in registers (a store into slot s, chosen at run time, put it on the stack,
-        even unrolled as cupy's "if k == s"). Items: (rank, b, g), the longest diagonals
-        first; a block loops over them. Under the simulator (4 threads a block, _dims) a
+        even unrolled as cupy's "if k == s"). Items: (b, g, k), the planes
+        i1 = (i0 + k) mod Ho for i0 = 0 .. Ho - 1 (the diagonal k, then k - Ho): Ho steps
+        each, and consecutive blocks read neighbouring rows of gamma and out at once; a
+        block loops over them. Under the simulator (4 threads a block, _dims) a
         thread takes NL lanes in turn."""
         V, NS = _plan.PLANE_V, DH * (KH - 1) + 1
         NL = 8 if SIM else 1  # lanes a thread: a warp's 32 over the block's threads
@@ -635,7 +637,7 @@ if _IMPORT_ERROR is None:
 
         def plane(optr, obase, ost, gptr, gbase, gst, has_g, mptr, mbase, mst, cptr, cbase,
                   cst, has_c, cval, geo, pl, n, zero):
-            B, G, Cg, Cog = geo[0], geo[1], geo[2], geo[3]
+            G, Cg, Cog = geo[1], geo[2], geo[3]
             H, W, Ho, Wo = geo[4], geo[5], geo[6], geo[7]
             kw, sh, sw, ph, pw, dw = geo[9], geo[10], geo[11], geo[12], geo[13], geo[15]
             qrows, qp, qcol = pl
@@ -650,18 +652,20 @@ if _IMPORT_ERROR is None:
             r = cuda.local.array(RING, ACC)  # the ring: lane li's slot s at (li NS + s) V
             tn = cuda.local.array(NLV, ACC)  # the plane of T being formed, a lane's V
             bid = cuda.blockIdx.x
-            while bid < n:  # bid = rank * B*G + (b*G + g)
-                rank = _div(bid, B * G)
-                b = _div(bid - rank * B * G, G)
-                g = bid - rank * B * G - b * G
-                di = -((rank + 1) >> 1) if rank & 1 else rank >> 1  # 0, -1, 1, -2, 2, ...
-                L = _i32(Ho - abs(di))
-                i0d, dx = _i32(max(0, -di)), _i32(di * sh)
+            while bid < n:  # bid = (b*G + g) * Ho + k
+                bg = _div(bid, Ho)
+                b = _div(bg, G)
+                g = bg - b * G
+                di = _i32(bid - bg * Ho)
                 ogb = gbase + b * gst[0] + g * Cg * gst[1]
                 omb = mbase + b * mst[0] + g * Cg * mst[1]
                 oob = obase + b * ost[0] + g * Cog * ost[1]
-                for t in range(L):
-                    i0 = i0d + t
+                t = 0
+                for i0 in range(Ho):  # i1 = (i0 + k) mod Ho: the diagonal k, then k - Ho
+                    if i0 == Ho - di:  # a new diagonal: the ring starts again
+                        di = _i32(di - Ho)
+                        t = 0
+                    dx = _i32(di * sh)
                     oot = oob + i0 * ost[2] + (i0 + di) * ost[4]
                     # the planes the ring lacks (all at first), pushed in order
                     s = 0 if t == 0 else KEEP
@@ -734,6 +738,7 @@ if _IMPORT_ERROR is None:
                                                 old[w * V + e], zero) + cv * sv[e])
                                         sto(optr, oo + (k + w) * ost[1], res, 0)
                                 k += UP
+                    t += 1
                 bid += cuda.gridDim.x
 
         return plane
@@ -1338,7 +1343,8 @@ def _make_plan(p, dev_id):
     inputs = (gsrc, gbase, gst, has_g, _MU, mbase, mst)
     # A warp a diagonal where the planes fit a warp (cupy's rule): c * S straight into out,
     # gamma and mu 16-byte vectors of out's dtype, out's rows 16-byte vectors.
-    pl = (_plan.plane(B, G, Ho, W, Wo, p.kh, p.kw, p.sw, p.dh, p.dw, p.pw, a_size)
+    pl = (_plan.plane(B, G, p.Ci // G, Cog, Ho, W, Wo, p.kh, p.kw, p.sw, p.dh, p.dw, p.pw,
+                      a_size)
           if not stream and vg * in_size >= 16 and v * o_size >= 16 else None)
     if pl is not None:
         return _Plan([_Launch(_plane_name(p.kh, p.sh, p.dh), (out_t, gamma_t, mu_t, c_t), acc,
