@@ -805,9 +805,9 @@ __global__ void __launch_bounds__(THREADS, WALK_BLOCKS) cc_walk(const Args a) {
 // planes alone, so no step waits at a block-wide barrier. Lane l holds row l >> 1,
 // columns [8 (l & 1), +8) of a plane: of Q_u (its group's channel sum, formed in
 // registers, one vector of gamma a channel), then of T_u and S_t (rows j0, columns j1).
-// The first nst channels of each plane's gamma come by asynchronous copies into the
-// warp's staging area, issued while the warp works on the plane before (the next plane
-// of its walk), the others by loads when the plane is formed. T_u is Q_u row-filtered
+// The first nst channels of each plane's gamma and the first nso output channels of each
+// step's out come by asynchronous copies into the warp's staging areas, issued a plane
+// (a step) ahead, while the warp works on the one before; the others by loads when used. T_u is Q_u row-filtered
 // through the warp's own plane of shared memory (qrows x qpitch, Q_u's rows from row pw
 // and its columns from column qcol, the zero border around it the padding: no bounds
 // checks); the planes of T that S_t sums are a ring in registers (KH, SH, DH compiled
