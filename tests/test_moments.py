@@ -175,6 +175,22 @@ def test_a_nonsymmetric_gamma_counts_as_its_symmetric_part():
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("r", [1, 16, 17, 40])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_host_symmetrisation_is_the_mean_with_the_transpose(r, dtype):
+    """The host's tiles give 0.5 a + 0.5 a^T bit for bit, in place and apart, on sizes
+    that are and are not whole tiles."""
+    from convcov.backends import numba as nb
+
+    A = np.random.default_rng(r).standard_normal((3, r, r)).astype(dtype)
+    want = 0.5 * A + 0.5 * A.transpose(0, 2, 1)
+    D = np.full_like(A, np.nan)
+    nb.symmetrize(A, D)
+    np.testing.assert_array_equal(D, want)
+    nb.symmetrize(A, A)
+    np.testing.assert_array_equal(A, want)
+
+
 DTYPES = {"numpy": ("float16", "float32", "float64"),
           "torch": ("float16", "bfloat16", "float32", "float64")}
 

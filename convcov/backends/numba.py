@@ -1153,23 +1153,37 @@ SYM_TILE = 16
 def _symmetrize(A, D):
     """``D = (A + A^T) / 2`` for a stack ``(N, r, r)`` of C-contiguous square matrices, as
     ``0.5 a + 0.5 b`` (exactly ``(a + b) / 2`` rounded once; addition commutes, so D is
-    bitwise symmetric). A tile and its mirror are read before either is written: D may be
-    A itself."""
+    bitwise symmetric). A job takes the rows of tiles k and nt - 1 - k (the same number of
+    tile pairs for every job); a tile and its mirror are copied into two small buffers
+    before either is written, by rows of the matrix (contiguous), and transposed there:
+    D may be A itself."""
     N, r = A.shape[0], A.shape[1]
     nt = (r + SYM_TILE - 1) // SYM_TILE
-    pairs = nt * (nt + 1) // 2
-    for job in prange(N * pairs):
-        n, k = job // pairs, job % pairs
-        ti = 0  # the pair's tiles (ti, tj), ti <= tj: the k-th of the upper triangle
-        while k >= nt - ti:
-            k -= nt - ti
-            ti += 1
-        tj = ti + k
-        for i in range(ti * SYM_TILE, min(r, ti * SYM_TILE + SYM_TILE)):
-            for j in range(i if tj == ti else tj * SYM_TILE, min(r, tj * SYM_TILE + SYM_TILE)):
-                v = 0.5 * A[n, i, j] + 0.5 * A[n, j, i]
-                D[n, i, j] = v
-                D[n, j, i] = v
+    half = (nt + 1) // 2
+    for job in prange(N * half):
+        n, k = job // half, job % half
+        a = np.empty((SYM_TILE, SYM_TILE), A.dtype)
+        b = np.empty((SYM_TILE, SYM_TILE), A.dtype)
+        for t in range(1 if 2 * k + 1 == nt else 2):
+            ti = k if t == 0 else nt - 1 - k
+            i0, ni = ti * SYM_TILE, min(SYM_TILE, r - ti * SYM_TILE)
+            for tj in range(ti, nt):  # the pair: tile (ti, tj) in a, its mirror in b
+                j0, nj = tj * SYM_TILE, min(SYM_TILE, r - tj * SYM_TILE)
+                for i in range(ni):
+                    for j in range(nj):
+                        a[i, j] = A[n, i0 + i, j0 + j]
+                for j in range(nj):
+                    for i in range(ni):
+                        b[j, i] = A[n, j0 + j, i0 + i]
+                for i in range(ni):
+                    for j in range(nj):
+                        a[i, j] = 0.5 * a[i, j] + 0.5 * b[j, i]
+                for i in range(ni):
+                    for j in range(nj):
+                        D[n, i0 + i, j0 + j] = a[i, j]
+                for j in range(nj):
+                    for i in range(ni):
+                        D[n, j0 + j, i0 + i] = a[i, j]
 
 
 _sym_parallel = njit(parallel=True, **_jit)(_symmetrize)
