@@ -807,14 +807,14 @@ __global__ void __launch_bounds__(THREADS, WALK_BLOCKS) cc_walk(const Args a) {
 // registers, one vector of gamma a channel), then of T_u and S_t (rows j0, columns j1).
 // The first nst channels of each plane's gamma and the first nso output channels of each
 // step's out come by asynchronous copies into the warp's staging areas, issued a plane
-// (a step) ahead, while the warp works on the one before; the others by loads when used. T_u is Q_u row-filtered
-// through the warp's own plane of shared memory (qrows x qpitch, Q_u's rows from row pw
-// and its columns from column qcol, the zero border around it the padding: no bounds
-// checks); the planes of T that S_t sums are a ring in registers (KH, SH, DH compiled
-// in, so its slots are registers): slot s of S_t's ring holds the plane of input rows
-// x0 = i0 * SH - ph + s, x1 = x0 + di * SH. Items: (b, g, k) for k in [0, Ho): the warp
-// walks i0 = 0 .. Ho - 1 with i1 = (i0 + k) mod Ho (the diagonal k, then k - Ho), so
-// every item is Ho steps and the consecutive warps of one (b, g) read the same rows x0
+// (a step) ahead, while the warp works on the one before; the others by loads when used.
+// T_u is Q_u row-filtered through the warp's own plane of shared memory (qrows x qpitch,
+// Q_u's rows from row pw and its columns from column qcol, the zero border around it the
+// padding: no bounds checks); the planes of T that S_t sums are a ring in registers (KH,
+// SH, DH compiled in, so its slots are registers): slot s of S_t's ring holds the plane of
+// input rows x0 = i0 * SH - ph + s, x1 = x0 + di * SH. Items: (b, g, k) for k in [0, Ho):
+// the warp walks i0 = 0 .. Ho - 1 with i1 = (i0 + k) mod Ho (the diagonal k, then k - Ho),
+// so every item is Ho steps and the consecutive warps of one (b, g) read the same rows x0
 // of gamma, and of out the same i0, at once: neighbouring 32-byte rows, fetched together.
 #define PLANE_V """ + str(_plan.PLANE_V) + r"""  // _plan.PLANE_V
 // INFLIGHT of cc_plane: 32 bytes keep it within 128 registers (64 spill); a warp's load
@@ -861,7 +861,7 @@ __global__ void __launch_bounds__(THREADS, 2) cc_plane(const Args a) {
     const i64 oob = b * a.so0 + g * Cog * a.so1;
     // copies of the first nst channels of plane (x0, x1)'s gamma, and of the first nso
     // output channels of out's plane (i0, i1), into the staging areas
-    int sx0 = -1, sx1 = -1, si0 = -1;  // the plane and the step staged (-1: none)
+    int sx0 = -1, sx1 = -1;  // the plane staged (-1: none)
     auto stage = [&](int x0, int x1) {
       if (nst == 0) return;
       for (int l = 0; l < NL; ++l) {
@@ -884,13 +884,12 @@ __global__ void __launch_bounds__(THREADS, 2) cc_plane(const Args a) {
           cp_async<V * (int)sizeof(T)>(Os + (k * 32 + lane) * V, src + k * a.so1);
       }
       cp_commit();
-      si0 = i0;
     };
     // i1 = (i0 + kd) mod Ho: the diagonal kd, then from the wrap on the diagonal kd - Ho
     for (int i0 = 0, t = 0, di = (int)kd; i0 < Ho; ++i0, ++t) {
       if (i0 == Ho - di) { di -= Ho; t = 0; }  // (a new diagonal: the ring starts again)
       const int i1 = i0 + di, dx = di * SH;
-      if (si0 != i0) stage_out(i0, i1);  // (the item's first step)
+      if (i0 == 0) stage_out(i0, i1);  // (the item's first step: the others are staged ahead)
       // the ring moved on by SH planes; the planes it lacks formed (all of them at first)
       if (t > 0) {
         for (int l = 0; l < NL; ++l)
@@ -1478,7 +1477,7 @@ class CupyBackend(Backend):
             v = _plan.widen(vector_width(o_size, Wo, (so[5],), (Wo,), so[:5], oi.ptr), o_size, Wo)
         if not stream and in_cxx != o_cxx:  # gamma and mu typed only as out's dtype
             in_cxx, vg = "anyt", 1  # (the family's type)
-        # A warp a diagonal where the planes fit a warp: one dtype, 16-byte aligned rows
+        # The plane walk where the planes fit a warp: one dtype, 16-byte aligned rows
         pl = (_plan.plane(B, G, p.Ci // G, Cog, Ho, W, Wo, p.kh, p.kw, p.sw, p.dh, p.dw,
                           p.pw, acc_size, in_size if gi else 0)
               if not stream and in_cxx == o_cxx and vg * in_size >= 16 and v * o_size >= 16

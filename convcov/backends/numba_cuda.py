@@ -22,9 +22,10 @@ sizes from ``convcov.backends._plan``:
   ``(i1, j1)`` rows are contiguous, ``walk`` stores S and this kernel streams
   ``out[b, c0] += c[c0] * S[b, g]`` in address order.
 * ``plane`` (``_plan.plane``, cupy's ``cc_plane``): where a plane of the input fits a warp
-  and ``c * S`` goes straight into out, a block of one warp walks a whole diagonal alone:
-  the same sums, ``Q_u`` in registers, its row filter through the block's own plane of
-  shared memory, and the ring of ``T_u`` in registers (its extent compiled in).
+  and ``c * S`` goes straight into out, a block of one warp walks a wrapped diagonal
+  alone (the planes ``i1 = (i0 + k) mod Ho`` of one ``(b, g)``): the same sums, ``Q_u``
+  in registers, its row filter through the block's own plane of shared memory, and the
+  ring of ``T_u`` in registers (its extent compiled in).
 
 Terms with a position in the padding are absent (SPEC section 1): shared memory holds
 zeros there, never a product, so NaN/Inf in ``mu`` never meets a padded zero. Index
@@ -607,25 +608,24 @@ if _IMPORT_ERROR is None:
 
     def _make_plane(KH, SH, DH, ACC, OT):
         """cupy's cc_plane (sizes: ``_plan.plane``, ``pl``), where a plane of the input fits a
-        warp and c * S goes straight into out. A block of one warp takes one (b, g) and one
-        diagonal di = i1 - i0 of S's planes and walks it alone: its barriers wait for its
-        own lanes only. Lane l holds row l >> 1, columns [V (l & 1), +V) of a plane: of
-        Q_u (the group's channel sum, formed in registers, a vector of gamma a channel),
-        then of T_u and S_t (rows j0, columns j1). T_u is Q_u row-filtered through the
-        block's plane of dynamic shared memory (``qrows`` x ``qpitch`` ACC elements, Q's
-        rows from row pw and its columns from column ``qcol``; the zero border around them
-        is the padding: no bounds checks). The NS = DH (KH - 1) + 1 planes of T that S_t
-        sums are a ring in registers: slot s holds the plane of input rows
-        x0 = i0 sh - ph + s, x1 = x0 + di sh. A step forms the SH planes it lacks (all NS
-        at first) and pushes each in, the ring moving down a slot: SH, the slots a step
-        moves it (min(sh, NS): past NS a step keeps none; sh itself comes from ``geo``),
-        KH and DH are compile-time constants, so every index into the ring is one and it
-        stays in registers (a store into slot s, chosen at run time, put it on the stack,
-        even unrolled as cupy's "if k == s"). Items: (b, g, k), the planes
+        warp and c * S goes straight into out. A block of one warp takes one item (below)
+        and walks it alone: its barriers wait for its own lanes only. Lane l holds row
+        l >> 1, columns [V (l & 1), +V) of a plane: of Q_u (the group's channel sum, formed in
+        registers, a vector of gamma a channel), then of T_u and S_t (rows j0, columns j1).
+        T_u is Q_u row-filtered through the block's plane of dynamic shared memory
+        (``qrows`` x ``qpitch`` ACC elements, Q's rows from row pw and its columns from
+        column ``qcol``; the zero border around them is the padding: no bounds checks). The
+        NS = DH (KH - 1) + 1 planes of T that S_t sums are a ring in registers: slot s holds
+        the plane of input rows x0 = i0 sh - ph + s, x1 = x0 + di sh. A step forms the SH
+        planes it lacks (all NS at first) and pushes each in, the ring moving down a slot:
+        SH, the slots a step moves it (min(sh, NS): past NS a step keeps none; sh itself
+        comes from ``geo``), KH and DH are compile-time constants, so every index into the
+        ring is one and it stays in registers (a store into slot s, chosen at run time, put
+        it on the stack, even unrolled as cupy's "if k == s"). Items: (b, g, k), the planes
         i1 = (i0 + k) mod Ho for i0 = 0 .. Ho - 1 (the diagonal k, then k - Ho): Ho steps
         each, and consecutive blocks read neighbouring rows of gamma and out at once; a
-        block loops over them. Under the simulator (4 threads a block, _dims) a
-        thread takes NL lanes in turn."""
+        block loops over them. Under the simulator (4 threads a block, _dims) a thread takes
+        NL lanes in turn."""
         V, NS = _plan.PLANE_V, DH * (KH - 1) + 1
         NL = 8 if SIM else 1  # lanes a thread: a warp's 32 over the block's threads
         KEEP = max(0, NS - SH)  # slots a step keeps
@@ -1341,7 +1341,7 @@ def _make_plan(p, dev_id):
         v = _plan.widen(vector_width(o_size, Wo, (ost[5],), (Wo,), ost[:5], oi.ptr), o_size, Wo)
         vg = vg if mi.dtype == oi.dtype else 1
     inputs = (gsrc, gbase, gst, has_g, _MU, mbase, mst)
-    # A warp a diagonal where the planes fit a warp (cupy's rule): c * S straight into out,
+    # The plane walk where the planes fit a warp (cupy's rule): c * S straight into out,
     # gamma and mu 16-byte vectors of out's dtype, out's rows 16-byte vectors.
     pl = (_plan.plane(B, G, p.Ci // G, Cog, Ho, W, Wo, p.kh, p.kw, p.sw, p.dh, p.dw, p.pw,
                       a_size)
