@@ -317,7 +317,7 @@ class _NumpyOps:
         """``(A + A^T) / 2`` of a stack of square matrices ``(N, r, r)`` (``A`` the caller's
         own: it may be overwritten), rounded once into ``out`` (a new array when None):
         bitwise symmetric, as addition commutes. On the host by the numba backend's tiles
-        (:func:`convcov.backends.numba.symmetrize`: in place, or straight into out), 3-5x
+        (:func:`convcov.backends.numba.symmetrize`: in place, or in out after a copy), 3-5x
         faster than strided copies; elsewhere the transposed copy goes in column strips
         (each read is contiguous) and the add is then contiguous."""
         direct = out is not None and out.dtype == self.dtype and self._c_contiguous(out)

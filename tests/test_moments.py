@@ -184,9 +184,10 @@ def test_host_symmetrisation_is_the_mean_with_the_transpose(r, dtype):
 
     A = np.random.default_rng(r).standard_normal((3, r, r)).astype(dtype)
     want = 0.5 * A + 0.5 * A.transpose(0, 2, 1)
-    D = np.full_like(A, np.nan)
+    D, before = np.full_like(A, np.nan), A.copy()
     nb.symmetrize(A, D)
     np.testing.assert_array_equal(D, want)
+    np.testing.assert_array_equal(A, before)  # (apart: A as it was)
     nb.symmetrize(A, A)
     np.testing.assert_array_equal(A, want)
 

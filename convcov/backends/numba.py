@@ -1150,13 +1150,13 @@ _vjp_serial = njit(**_jit)(_renamed(_vjp_kernel, "_vjp_kernel_serial"))
 SYM_TILE = 16
 
 
-def _symmetrize(A, D):
-    """``D = (A + A^T) / 2`` for a stack ``(N, r, r)`` of C-contiguous square matrices, as
-    ``0.5 a + 0.5 b`` (exactly ``(a + b) / 2`` rounded once; addition commutes, so D is
-    bitwise symmetric). A job takes the rows of tiles k and nt - 1 - k (the same number of
-    tile pairs for every job); a tile and its mirror are copied into two small buffers
-    before either is written, by rows of the matrix (contiguous), and transposed there:
-    D may be A itself."""
+def _symmetrize(A):
+    """``A = (A + A^T) / 2`` in place for a stack ``(N, r, r)`` of C-contiguous square
+    matrices, as ``0.5 a + 0.5 b`` (exactly ``(a + b) / 2`` rounded once; addition
+    commutes, so A becomes bitwise symmetric). A job takes the rows of tiles k and
+    nt - 1 - k (the same number of tile pairs for every job); a tile and its mirror are
+    copied into two small buffers before either is written, by rows of the matrix
+    (contiguous), and transposed there."""
     N, r = A.shape[0], A.shape[1]
     nt = (r + SYM_TILE - 1) // SYM_TILE
     half = (nt + 1) // 2
@@ -1180,10 +1180,10 @@ def _symmetrize(A, D):
                         a[i, j] = 0.5 * a[i, j] + 0.5 * b[j, i]
                 for i in range(ni):
                     for j in range(nj):
-                        D[n, i0 + i, j0 + j] = a[i, j]
+                        A[n, i0 + i, j0 + j] = a[i, j]
                 for j in range(nj):
                     for i in range(ni):
-                        D[n, j0 + j, i0 + i] = a[i, j]
+                        A[n, j0 + j, i0 + i] = a[i, j]
 
 
 _sym_parallel = njit(parallel=True, **_jit)(_symmetrize)
@@ -1191,9 +1191,13 @@ _sym_serial = njit(**_jit)(_renamed(_symmetrize, "_symmetrize_serial"))
 
 
 def symmetrize(A, D) -> None:
-    """:func:`_symmetrize` on NumPy arrays (float32 or float64, C-contiguous, one dtype;
-    ``D`` is ``A`` or apart from it): conv2d_moments' exact symmetry on the host."""
-    _call(_sym_parallel, _sym_serial, A, D)
+    """``D = (A + A^T) / 2`` (:func:`_symmetrize`) on NumPy arrays (float32 or float64,
+    C-contiguous, one dtype; ``D`` is ``A`` or apart from it): conv2d_moments' exact
+    symmetry on the host. Apart, A is copied into D and D symmetrised in place: writing
+    the mirror tiles into memory not in the cache costs more than the copy."""
+    if D.ctypes.data != A.ctypes.data:
+        np.copyto(D, A)
+    _call(_sym_parallel, _sym_serial, D)
 
 
 # ---------------------------------------------------------------------------------------
