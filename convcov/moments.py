@@ -64,6 +64,15 @@ UNGROUPED_ON = ("cuda",)
 #: despite the products' P / (kh kw) times the FLOPs); on an H100 the moments suite's
 #: depthwise full layout 21.5 -> 18.8 ms.
 DENSE_DEPTHWISE_ON = ("cpu", "cuda")
+#: Devices whose full layout (torch tensors, no gradient) runs both convolutions in
+#: channels-last order (:func:`_channels_last`): on the 2-core host oneDNN's channels-last
+#: convolutions are 1.6-1.8x its NCHW ones; full layout 16ch 289-295 -> 231 ms, 64ch
+#: 83-86 -> 69 ms, strided 72-76 -> 59-60 ms (float32, with c).
+CHANNELS_LAST_ON = ("cpu",)
+#: Bytes of gamma's rows a chunk of the channels-last path's first convolution takes (in
+#: cache; no page faults of a gamma-sized buffer): against one chunk an image, 16ch 274 ->
+#: 227 ms, 64ch 73 -> 60-70 ms, strided 79 -> 62 ms on the 2-core host.
+_CL_CHUNK = 2 << 20
 
 
 @dataclass
@@ -275,6 +284,10 @@ class _NumpyOps:
     def grad(self, *xs) -> bool:
         return False
 
+    def channels_last(self, *xs) -> bool:
+        """Whether the full layout runs in channels-last order (:func:`_channels_last`)."""
+        return False
+
     def conv(self, x, w, G, geo):
         """3-D convolution of ``x`` ``(N, C, D1, D2, D3)`` with ``w`` ``(Co, C // G, k1, k2,
         k3)``, geometry ``geo`` (:attr:`_Call.last` or :attr:`_Call.first`):
@@ -317,15 +330,15 @@ class _NumpyOps:
         """``(A + A^T) / 2`` of a stack of square matrices ``(N, r, r)`` (``A`` the caller's
         own: it may be overwritten), rounded once into ``out`` (a new array when None):
         bitwise symmetric, as addition commutes. On the host by the numba backend's tiles
-        (:func:`convcov.backends.numba.symmetrize`: in place, or in out after a copy), 3-5x
+        (:func:`convcov._host_moves.symmetrize`: in place, or in out after a copy), 3-5x
         faster than strided copies; elsewhere the transposed copy goes in column strips
         (each read is contiguous) and the add is then contiguous."""
         direct = out is not None and out.dtype == self.dtype and self._c_contiguous(out)
         if self.device_type == "cpu" and not self.grad(A, out) and self._c_contiguous(A):
-            from .backends import numba as _numba
+            from . import _host_moves
 
             dst = out.reshape(A.shape) if direct else A
-            _numba.symmetrize(self.host(A), self.host(dst))
+            _host_moves.symmetrize(self.host(A), self.host(dst))
             return self.result(dst, out) if out is not None and not direct else dst
         dst = out.reshape(A.shape) if direct else self.empty(A.shape)
         for i in range(0, A.shape[1], 512):
@@ -397,6 +410,9 @@ class _TorchOps(_NumpyOps):
     def grad(self, *xs) -> bool:
         return self.torch.is_grad_enabled() and any(
             getattr(x, "requires_grad", False) for x in xs)
+
+    def channels_last(self, *xs) -> bool:
+        return self.device_type in CHANNELS_LAST_ON and not self.grad(*xs)
 
     def conv(self, x, w, G, geo):
         F = self.torch.nn.functional
@@ -595,6 +611,8 @@ def _carried(o, call, g, w):
             # gg: (B, Cg, H, W, Cg, H, W, G)
             gg = g.reshape(B, G, Cg, H, W, G, Cg, H, W).diagonal(0, 1, 5)
             X1 = o.perm(gg, (0, 1, 2, 3, 7, 4, 5, 6)).reshape(B * Cg * P, Ci, H, W, 1)
+        if layout == "full" and o.channels_last(g, w):
+            return _channels_last(o, call, g, w)
         if layout == "full":  # then the left index, the right one riding along
             T = o.conv(X1, w5, G, call.last).reshape(B, Ci, H, W, Co * Q)
             if G > 1 and o.device_type in UNGROUPED_ON:
@@ -625,6 +643,42 @@ def _carried(o, call, g, w):
         X2 = o.perm(T, (0, 1, 3, 2, 4, 5, 6))  # (B, (g, j) = c0, cl, H, W, q)
     # The left index for output channel c0 alone: one group per output channel.
     return _per_channel(o, call, X2, w5).reshape(call.out_shape("diag"))
+
+
+def _channels_last(o, call, g, w):
+    """``K gamma K^T`` in the full layout, unsymmetrised, for torch tensors on the host: the
+    two convolutions in channels-last order (oneDNN's fast one), each input's rows put in
+    (position, channel) order by the host's tiled transposes (:mod:`convcov._host_moves`).
+    The right index first, in chunks of gamma's rows ``(b, p, all c)``: the chunk
+    ``X1[p, c, p', c']``, its ``T[p, c, q, co]``, moved into ``X2[b, co, q, p, c]``; then
+    the left index, ``U = conv(X2)`` ``[b, co, q, q', co']``, each of whose rows is put in
+    ``(co', q')`` order in place. Memory beyond gamma: X2 (``B n m`` entries), the result
+    (``B m^2``) and a chunk."""
+    from . import _host_moves as moves
+
+    F = o.torch.nn.functional
+    B, Ci, H, W, Co, Ho, Wo, G = call.B, call.Ci, call.H, call.W, call.Co, call.Ho, call.Wo, call.G
+    P, Q, s, p, d = H * W, Ho * Wo, *call.last[:3]
+    n, m = Ci * P, Co * Q
+
+    def conv(X):  # (N, H, W, Ci) -> (N, Ho, Wo, Co), channels-last
+        return F.conv2d(X.permute(0, 3, 1, 2), w, None, s[:2], p[:2], d[:2], G).permute(
+            0, 2, 3, 1).contiguous()
+
+    X2 = o.empty((B, Co, Q, P * Ci))
+    g5, X2n = g.detach().reshape(B, Ci, P, Ci, P).numpy(), X2.numpy()
+    k = max(1, _CL_CHUNK // (Ci * n * g.element_size()))  # positions p a chunk
+    X1 = o.empty(min(k, P) * Ci * n)
+    for b, p0 in itertools.product(range(B), range(0, P, k)):
+        p1 = min(P, p0 + k)
+        X1c = X1[:(p1 - p0) * Ci * n].view(p1 - p0, Ci, P, Ci)
+        moves.transpose(g5[b, :, p0:p1].transpose(1, 0, 2, 3)[None], X1c.numpy()[None])
+        T = conv(X1c.view(-1, H, W, Ci)).numpy().reshape(-1, Q, Co)
+        moves.transpose(T.transpose(1, 0, 2)[None, None],
+                        X2n[b, :, :, p0 * Ci:p1 * Ci].transpose(1, 0, 2)[None, None])
+    U = conv(X2.view(B * m, H, W, Ci))
+    moves.transpose_rows(U.view(B * m, Q * Co).numpy(), Q, Co)
+    return U.view(call.out_shape("full"))
 
 
 def _depthwise_dense(o, call, g, w):

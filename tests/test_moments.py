@@ -180,7 +180,7 @@ def test_a_nonsymmetric_gamma_counts_as_its_symmetric_part():
 def test_host_symmetrisation_is_the_mean_with_the_transpose(r, dtype):
     """The host's tiles give 0.5 a + 0.5 a^T bit for bit, in place and apart, on sizes
     that are and are not whole tiles."""
-    from convcov.backends import numba as nb
+    from convcov import _host_moves as nb
 
     A = np.random.default_rng(r).standard_normal((3, r, r)).astype(dtype)
     want = 0.5 * A + 0.5 * A.transpose(0, 2, 1)
@@ -239,15 +239,20 @@ def test_random_problems_match_the_definition(data):
     geo = dict(stride=s, padding=p, dilation=d, groups=G)
     # CUDA's ways here too: the variances gathered by window blocks (not by offset pairs),
     # a grouped full layout's second convolution not grouped (moments.UNGROUPED_ON), a
-    # depthwise full layout by convolutions, not dense matrices (moments.DENSE_DEPTHWISE_ON)
-    # (the variances' inner rectangle a strided view or gathered; chunks of one row or all)
+    # depthwise full layout by convolutions, not dense matrices (moments.DENSE_DEPTHWISE_ON),
+    # torch's full layout in NCHW order (not channels-last, moments.CHANNELS_LAST_ON, whose
+    # chunks take one position or all); the variances' inner rectangle a strided view or
+    # gathered, in chunks of one row or all
     cuda_ways = ("cpu",) if draw(st.booleans(), label="CUDA's ways") else ()
     host_ways = ("cpu",) if not cuda_ways else ()
     view_from = draw(st.sampled_from((0, 1 << 62)), label="view from")
     chunk = draw(st.sampled_from((1, 1 << 26)), label="entries a chunk")
+    cl_chunk = draw(st.sampled_from((1, 1 << 21)), label="bytes a channels-last chunk")
     with mock.patch.object(moments, "GATHER_ON", cuda_ways), \
             mock.patch.object(moments, "UNGROUPED_ON", cuda_ways), \
             mock.patch.object(moments, "DENSE_DEPTHWISE_ON", host_ways), \
+            mock.patch.object(moments, "CHANNELS_LAST_ON", host_ways), \
+            mock.patch.object(moments, "_CL_CHUNK", cl_chunk), \
             mock.patch.object(moments, "_VIEW_ENTRIES", view_from), \
             mock.patch.object(moments, "_GATHER_ENTRIES", chunk):
         mo, go = convcov.conv2d_moments(args["mu"], args["gamma"], args["weight"],
@@ -605,6 +610,24 @@ def test_nn_moments_reads_the_layer():
     torch.testing.assert_close(m, conv(mu))
     torch.testing.assert_close(v, v2)
     assert m.requires_grad  # through the layer's parameters
+
+
+def test_no_grad_with_parameters_that_require_it():
+    """Under no_grad (evaluation), a layer's parameters and a gamma that require grad: the
+    host's full layout (channels-last, without autograd) gives what the recorded call
+    gives, and records nothing."""
+    import convcov.nn
+
+    conv = torch.nn.Conv2d(4, 6, 3, padding=1, groups=2)
+    a = problem(np.random.default_rng(2), 2, 4, 6, 2, 5, 6, (3, 3), "full", "number", "none")
+    mu, gamma = (torch.from_numpy(a[k]).float() for k in ("mu", "gamma"))
+    gamma.requires_grad_()
+    want = [x.detach() for x in convcov.nn.moments(conv, mu, gamma, c=0.01)]
+    with torch.no_grad():
+        got = convcov.nn.moments(conv, mu, gamma, c=0.01)
+    for g, w in zip(got, want):
+        assert not g.requires_grad
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
 
 
 # ----------------------------------------------------------------------------------------

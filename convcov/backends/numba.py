@@ -1,8 +1,8 @@
 """``numba``: the fused, parallel CPU kernel; the default backend for host arrays.
 
 Owns the Numba CPU implementation of SPEC section 1 and its run-time rules: how arrays
-reach the kernel, which code is compiled, and how calls run on Numba's threading layer;
-and, under the same rules, ``symmetrize``, conv2d_moments' exact symmetrisation on the host.
+reach the kernel, which code is compiled, and how calls run on Numba's threading layer
+(which ``convcov._host_moves``, conv2d_moments' data movement on the host, shares).
 
 How it computes (docs/numba.md has the design notes and the measurements): SPEC section 1
 as a walk along S's planes, as the GPU backends' ``cc_walk``. For one ``(b, g)`` and one
@@ -1144,61 +1144,6 @@ def _vjp_kernel(prm):
 
 _vjp_parallel = njit(parallel=True, **_jit)(_vjp_kernel)
 _vjp_serial = njit(**_jit)(_renamed(_vjp_kernel, "_vjp_kernel_serial"))
-
-#: The side of the tiles :func:`symmetrize` pairs (a tile and its mirror, both in L1): on
-#: the 2-core host 2 x 4096^2 float32 in place 57 ms with tiles of 64, 44.5 ms with 16.
-SYM_TILE = 16
-
-
-def _symmetrize(A):
-    """``A = (A + A^T) / 2`` in place for a stack ``(N, r, r)`` of C-contiguous square
-    matrices, as ``0.5 a + 0.5 b`` (exactly ``(a + b) / 2`` rounded once; addition
-    commutes, so A becomes bitwise symmetric). A job takes the rows of tiles k and
-    nt - 1 - k (the same number of tile pairs for every job); a tile and its mirror are
-    copied into two small buffers before either is written, by rows of the matrix
-    (contiguous), and transposed there."""
-    N, r = A.shape[0], A.shape[1]
-    nt = (r + SYM_TILE - 1) // SYM_TILE
-    half = (nt + 1) // 2
-    for job in prange(N * half):
-        n, k = job // half, job % half
-        a = np.empty((SYM_TILE, SYM_TILE), A.dtype)
-        b = np.empty((SYM_TILE, SYM_TILE), A.dtype)
-        for t in range(1 if 2 * k + 1 == nt else 2):
-            ti = k if t == 0 else nt - 1 - k
-            i0, ni = ti * SYM_TILE, min(SYM_TILE, r - ti * SYM_TILE)
-            for tj in range(ti, nt):  # the pair: tile (ti, tj) in a, its mirror in b
-                j0, nj = tj * SYM_TILE, min(SYM_TILE, r - tj * SYM_TILE)
-                for i in range(ni):
-                    for j in range(nj):
-                        a[i, j] = A[n, i0 + i, j0 + j]
-                for j in range(nj):
-                    for i in range(ni):
-                        b[j, i] = A[n, j0 + j, i0 + i]
-                for i in range(ni):
-                    for j in range(nj):
-                        a[i, j] = 0.5 * a[i, j] + 0.5 * b[j, i]
-                for i in range(ni):
-                    for j in range(nj):
-                        A[n, i0 + i, j0 + j] = a[i, j]
-                for j in range(nj):
-                    for i in range(ni):
-                        A[n, j0 + j, i0 + i] = a[i, j]
-
-
-_sym_parallel = njit(parallel=True, **_jit)(_symmetrize)
-_sym_serial = njit(**_jit)(_renamed(_symmetrize, "_symmetrize_serial"))
-
-
-def symmetrize(A, D) -> None:
-    """``D = (A + A^T) / 2`` (:func:`_symmetrize`) on NumPy arrays (float32 or float64,
-    C-contiguous, one dtype; ``D`` is ``A`` or apart from it): conv2d_moments' exact
-    symmetry on the host. Apart, A is copied into D and D symmetrised in place: writing
-    the mirror tiles into memory not in the cache costs more than the copy."""
-    if D.ctypes.data != A.ctypes.data:
-        np.copyto(D, A)
-    _call(_sym_parallel, _sym_serial, D)
-
 
 # ---------------------------------------------------------------------------------------
 # Running it: threading-layer safety.
