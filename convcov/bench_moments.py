@@ -23,8 +23,9 @@ precision; a failed row is not timed); the reference is ``conv2d_moments`` in fl
 baselines. Timings are the median of repeated calls: CUDA events around each call (the
 queue drained before it) on a GPU, ``time.perf_counter`` on the host.
 
-Each row has its floor (:func:`_work`): the larger of reading ``gamma`` and writing the
-result once at the copy bandwidth measured in the same run, and the multiply-adds of what
+Each row has its floor (:func:`_work`): the larger of reading what the row's layout
+needs of ``gamma`` and writing the result once at the copy bandwidth measured in the same
+run, and the multiply-adds of what
 the row's layout keeps, half of each symmetric part, at the peak of the row's precision
 measured in the same run (a large matrix product: float32 with TF32 off, TF32, bfloat16).
 The baselines compute the full ``K gamma K^T``: their floor is the "full" layout's.
@@ -143,24 +144,36 @@ def _rows(torch, layer: Layer, device):
     return rows, skipped, refs
 
 
+def _reach(n, n_out, k, s, p) -> tuple[int, int]:
+    """Along one axis: how many input positions some window reads, and how many ordered
+    pairs of positions lie in one window together."""
+    windows = [{i * s - p + u for u in range(k)} & set(range(n)) for i in range(n_out)]
+    return len(set().union(*windows)), len({(a, b) for w in windows for a in w for b in w})
+
+
 def _work(layer: Layer, layout: str, itemsize: int = 4) -> tuple[int, int]:
     """(bytes, floating-point operations) that a layer's ``K gamma K^T`` in ``layout`` must
-    move and do, with a full ``gamma``: ``gamma`` read and the result written once; the
-    first convolution (the right index of ``gamma``, the rows the layout reaches), then
-    the second, only the half of each symmetric block that the layout keeps. With
-    ``N = Ci H W`` input positions, ``M = Co Q`` output ones (``Q = Ho Wo``) and ``t =
-    (Ci / G) kh kw`` terms an output sums: full ``2 B N M t + B M^2 t``; diag ``2 B N M t
-    / G + B Co Q^2 t`` (a channel's block needs only its group's rows); var ``B M t^2``
-    (each variance a quadratic form of ``t`` terms, half of it by symmetry)."""
+    move and do, with a full ``gamma``: the entries of ``gamma`` the layout depends on read
+    and the result written once; the first convolution (the right index of ``gamma``, the
+    rows the layout reaches), then the second, only the half of each symmetric block that
+    the layout keeps. With ``N = Ci H W`` input positions, ``M = Co Q`` output ones (``Q =
+    Ho Wo``) and ``t = (Ci / G) kh kw`` terms an output sums: full ``2 B N M t + B M^2
+    t``; diag ``2 B N M t / G + B Co Q^2 t`` (a channel's block needs only its group's
+    rows); var ``B M t^2`` (each variance a quadratic form of ``t`` terms, half of it by
+    symmetry). The entries: full, every pair of positions some window reads; diag, the
+    pairs within a group; var, the pairs within a group and within one window."""
     L = layer
     Ho = (L.H + 2 * L.padding - L.k) // L.stride + 1
     N, Q, t = L.Ci * L.H * L.H, Ho * Ho, L.Ci // L.groups * L.k * L.k
-    M = L.Co * Q
+    M, Cg = L.Co * Q, L.Ci // L.groups
+    covered, pairs = _reach(L.H, Ho, L.k, L.stride, L.padding)  # the same along both axes
+    read = {"full": (L.Ci * covered**2) ** 2, "diag": L.groups * (Cg * covered**2) ** 2,
+            "var": L.groups * Cg**2 * pairs**2}[layout]
     result = {"full": M * M, "diag": L.Co * Q * Q, "var": M}[layout]
     flops = {"full": 2 * L.B * N * M * t + L.B * M * M * t,
              "diag": 2 * L.B * N * M * t // L.groups + L.B * L.Co * Q * Q * t,
              "var": L.B * M * t * t}[layout]
-    return (L.B * N * N + L.B * result) * itemsize, flops
+    return (L.B * read + L.B * result) * itemsize, flops
 
 
 def _peaks(torch, device) -> dict:

@@ -664,3 +664,24 @@ def test_bench_checks_and_times_every_row(monkeypatch, capsys):
 
     with pytest.raises(ValueError, match="unknown layer"):
         bench_moments.run("cpu", ["nope"])
+
+
+@pytest.mark.parametrize("layer", [(2, 2, 5, 3, 1, 1, 1), (4, 2, 6, 3, 2, 1, 2),
+                                   (2, 4, 7, 3, 2, 0, 2), (2, 2, 6, 1, 2, 0, 1)],
+                         ids=["3x3", "strided-groups", "unpadded", "1x1-s2"])
+@pytest.mark.parametrize("layout", ["full", "diag", "var"])
+def test_the_floor_counts_the_entries_of_gamma_the_result_depends_on(layer, layout):
+    """The moments floor's bytes of gamma are the entries whose change moves the result:
+    the entries where the gradient of a random weighting of the result is not zero."""
+    from convcov import bench_moments
+
+    Ci, Co, H, k, s, p, G = layer
+    L = bench_moments.Layer("t", Ci, Co, H, k, s, p, G, 1)
+    rng = np.random.default_rng(3)
+    gamma = torch.from_numpy(rng.standard_normal((1, Ci, H, H, Ci, H, H))).requires_grad_()
+    w = torch.from_numpy(rng.standard_normal((Co, Ci // G, k, k)))
+    _, r = convcov.conv2d_moments(torch.zeros(1, Ci, H, H, dtype=torch.float64), gamma, w,
+                                  stride=s, padding=p, groups=G, out_layout=layout)
+    (r * torch.from_numpy(rng.standard_normal(r.shape))).sum().backward()
+    nbytes, _ = bench_moments._work(L, layout, itemsize=1)
+    assert nbytes - r[0].numel() == int((gamma.grad != 0).sum())
