@@ -1,7 +1,8 @@
-"""conv2d_moments' data movement on the host, compiled by Numba and run under the numba
+"""conv2d_moments' own kernels on the host, compiled by Numba and run under the numba
 backend's threading rules (:func:`convcov.backends.numba._call`): ``symmetrize``, the
-result's exact symmetrisation, and ``transpose`` and ``transpose_rows``, the orders of the
-channels-last convolutions (:func:`convcov.moments._channels_last`). Arrays are NumPy
+result's exact symmetrisation; ``transpose`` and ``transpose_rows``, the orders of the
+channels-last convolutions (:func:`convcov.moments._channels_last`); ``window_sums``, the
+diagonal layout's convolution of each output channel's own block. Arrays are NumPy
 arrays of one dtype (float32 or float64); nothing here validates.
 """
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .backends.numba import _call, _jit, _renamed, _threads
+from .backends.numba import _call, _data, _jit, _offset, _renamed, _threads
 
 
 #: The side of the tiles :func:`symmetrize` pairs (a tile and its mirror, both in L1): on
@@ -121,3 +122,54 @@ def transpose_rows(U, X, Y) -> None:
     """Each row of the C-contiguous ``(N, X * Y)`` array ``U`` from ``(X, Y)`` to ``(Y, X)``
     order, in place (:func:`_transpose_rows`)."""
     _call(_rows_parallel, _rows_serial, U, X, Y, 8 * _threads())
+
+
+def _window_sums(X, w, D, sh, sw, ph, pw, dh, dw):
+    """``D[b, g*J + j, i, jo, :] = sum over c, u, v of w[g*J + j, c, u, v] X[b, g, j, c,
+    i*sh - ph + u*dh, jo*sw - pw + v*dw, :]``, the terms in the padding absent. A job is
+    one output row of one output channel, summed in place in D (in cache) input row by
+    input row; consecutive jobs are consecutive rows, whose windows share input rows. X's
+    last axis is contiguous, and X and D are read through pointers so that the sums
+    vectorise."""
+    B, G, J, Cg, H, W, Q = X.shape
+    Ho, Wo, kh, kw = D.shape[2], D.shape[3], w.shape[2], w.shape[3]
+    e = X.itemsize
+    s0, s1, s2 = X.strides[0] // e, X.strides[1] // e, X.strides[2] // e
+    s3, s4, s5 = X.strides[3] // e, X.strides[4] // e, X.strides[5] // e
+    base, out = _data(X), _data(D)
+    for job in prange(B * G * J * Ho):
+        i, r1 = job % Ho, job // Ho
+        j, r2 = r1 % J, r1 // J
+        g, b = r2 % G, r2 // G
+        c0 = g * J + j
+        d = _offset(out, ((b * G * J + c0) * Ho + i) * Wo * Q)  # the row D[b, c0, i]
+        for k in range(Wo * Q):
+            d[k] = 0
+        for c in range(Cg):
+            for u in range(kh):
+                x = i * sh - ph + u * dh
+                if x < 0 or x >= H:
+                    continue
+                at = b * s0 + g * s1 + j * s2 + c * s3 + x * s4
+                for v in range(kw):
+                    wt = w[c0, c, u, v]
+                    for jo in range(Wo):
+                        y = jo * sw - pw + v * dw
+                        if y < 0 or y >= W:
+                            continue
+                        row, acc = _offset(base, at + y * s5), _offset(d, jo * Q)
+                        for q in range(Q):
+                            acc[q] += wt * row[q]
+
+
+_sums_parallel = njit(parallel=True, **_jit)(_window_sums)
+_sums_serial = njit(**_jit)(_renamed(_window_sums, "_window_sums_serial"))
+
+
+def window_sums(X, w, D, stride, padding, dilation) -> None:
+    """Each output channel's convolution with its own kernel (:func:`_window_sums`): ``X``
+    ``(B, G, J, Cg, H, W, Q)`` of any strides (its last axis contiguous), ``w`` ``(G * J,
+    Cg, kh, kw)``, into the C-contiguous ``D`` ``(B, G * J, Ho, Wo, Q)``; one dtype."""
+    if X.strides[6] != X.itemsize:
+        X = np.ascontiguousarray(X)
+    _call(_sums_parallel, _sums_serial, X, w, D, *stride, *padding, *dilation)

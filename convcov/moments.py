@@ -67,8 +67,14 @@ DENSE_DEPTHWISE_ON = ("cpu", "cuda")
 #: Devices whose full layout (torch tensors, no gradient) runs both convolutions in
 #: channels-last order (:func:`_channels_last`): on the 2-core host oneDNN's channels-last
 #: convolutions are 1.6-1.8x its NCHW ones; full layout 16ch 289-295 -> 231 ms, 64ch
-#: 83-86 -> 69 ms, strided 72-76 -> 59-60 ms (float32, with c).
+#: 83-86 -> 69 ms, strided 72-76 -> 59-60 ms (float32, with c); diag's first (one group)
+#: 16ch 154 -> 138 ms, strided 65-66 -> 57 ms, 64ch 46-49 either way.
 CHANNELS_LAST_ON = ("cpu",)
+#: Devices whose diagonal layout's second step (each output channel's convolution of its
+#: own block, :func:`_per_channel`) is the host's window sums, not a convolution a channel:
+#: diag on the 2-core host 16ch 170-174 -> 139-146 ms, 64ch 51-52 -> 44-47, strided 54-55 ->
+#: 47-50, depthwise 1.4-1.5 -> 1.2-1.3 (torch; on NumPy arrays 1.1-1.35x likewise).
+WINDOW_SUMS_ON = ("cpu",)
 #: Bytes of gamma's rows a chunk of the channels-last path's first convolution takes (in
 #: cache; no page faults of a gamma-sized buffer): against one chunk an image, 16ch 274 ->
 #: 227 ms, 64ch 73 -> 60-70 ms, strided 79 -> 62 ms on the 2-core host.
@@ -621,8 +627,11 @@ def _carried(o, call, g, w):
                 X2 = o.contiguous(o.perm(T, (0, 4, 1, 2, 3))).reshape(B * Co * Q, Ci, H, W, 1)
                 return o.conv(X2, w5, G, call.last).reshape(call.out_shape("full"))
             return o.conv(T, w5, G, call.last).reshape(call.out_shape("full"))
-        T = o.conv(X1, w5, G, call.last).reshape(B, Cg, H, W, Co, Q)
-        X2 = o.perm(T, (0, 4, 1, 2, 3, 5))  # (B, c0, cl, H, W, q)
+        if G == 1 and o.channels_last(g, w):
+            T = _right_channels_last(o, call, g, w, _into_nchw_order)
+        else:
+            T = o.conv(X1, w5, G, call.last)
+        X2 = o.perm(T.reshape(B, Cg, H, W, Co, Q), (0, 4, 1, 2, 3, 5))  # (B, c0, cl, H, W, q)
     else:
         # Channel-diagonal gamma: no sum over input channels on the right (groups = Ci):
         # T[b, (g, cl, j), x, q] for output channel c1 = g * Cpg + j.
@@ -647,38 +656,75 @@ def _carried(o, call, g, w):
 
 def _channels_last(o, call, g, w):
     """``K gamma K^T`` in the full layout, unsymmetrised, for torch tensors on the host: the
-    two convolutions in channels-last order (oneDNN's fast one), each input's rows put in
-    (position, channel) order by the host's tiled transposes (:mod:`convcov._host_moves`).
-    The right index first, in chunks of gamma's rows ``(b, p, all c)``: the chunk
-    ``X1[p, c, p', c']``, its ``T[p, c, q, co]``, moved into ``X2[b, co, q, p, c]``; then
-    the left index, ``U = conv(X2)`` ``[b, co, q, q', co']``, each of whose rows is put in
-    ``(co', q')`` order in place. Memory beyond gamma: X2 (``B n m`` entries), the result
-    (``B m^2``) and a chunk."""
+    two convolutions in channels-last order (oneDNN's fast one). The right index first
+    (:func:`_right_channels_last`), its ``T`` moved into ``X2[b, co, q, p, c]`` (the rows
+    in the result's order, each in ``(position, channel)`` order); then the left index,
+    ``U = conv(X2)`` ``[b, co, q, q', co']``, each of whose rows is put in ``(co', q')``
+    order in place. Memory beyond gamma: X2 (``B n m`` entries), the result (``B m^2``)
+    and a chunk."""
     from . import _host_moves as moves
 
-    F = o.torch.nn.functional
-    B, Ci, H, W, Co, Ho, Wo, G = call.B, call.Ci, call.H, call.W, call.Co, call.Ho, call.Wo, call.G
-    P, Q, s, p, d = H * W, Ho * Wo, *call.last[:3]
-    n, m = Ci * P, Co * Q
+    B, Ci, H, W, Co, Q = call.B, call.Ci, call.H, call.W, call.Co, call.Ho * call.Wo
+    X2 = _right_channels_last(o, call, g, w, _into_rows_order)
+    U = _conv_channels_last(o, call, X2.view(B * Co * Q, H, W, Ci), w)
+    moves.transpose_rows(U.view(B * Co * Q, Q * Co).numpy(), Q, Co)
+    return U.view(call.out_shape("full"))
 
-    def conv(X):  # (N, H, W, Ci) -> (N, Ho, Wo, Co), channels-last
-        return F.conv2d(X.permute(0, 3, 1, 2), w, None, s[:2], p[:2], d[:2], G).permute(
-            0, 2, 3, 1).contiguous()
 
-    X2 = o.empty((B, Co, Q, P * Ci))
-    g5, X2n = g.detach().reshape(B, Ci, P, Ci, P).numpy(), X2.numpy()
+def _right_channels_last(o, call, g, w, order):
+    """The right index of gamma (``Cg = Ci``) convolved in channels-last order, in chunks of
+    gamma's rows ``(b, p, all c)`` put in ``(p', c')`` order by the host's tiled
+    transposes (:mod:`convcov._host_moves`): each chunk's ``T[p, c, q, co]`` goes into
+    the array ``order`` makes (``order(o, call)`` gives it and a function placing a chunk)."""
+    from . import _host_moves as moves
+
+    B, Ci, H, W, P = call.B, call.Ci, call.H, call.W, call.H * call.W
+    n = Ci * P
+    out, place = order(o, call)
+    g5 = g.detach().reshape(B, Ci, P, Ci, P).numpy()
     k = max(1, _CL_CHUNK // (Ci * n * g.element_size()))  # positions p a chunk
     X1 = o.empty(min(k, P) * Ci * n)
     for b, p0 in itertools.product(range(B), range(0, P, k)):
         p1 = min(P, p0 + k)
         X1c = X1[:(p1 - p0) * Ci * n].view(p1 - p0, Ci, P, Ci)
         moves.transpose(g5[b, :, p0:p1].transpose(1, 0, 2, 3)[None], X1c.numpy()[None])
-        T = conv(X1c.view(-1, H, W, Ci)).numpy().reshape(-1, Q, Co)
-        moves.transpose(T.transpose(1, 0, 2)[None, None],
+        T = _conv_channels_last(o, call, X1c.view(-1, H, W, Ci), w).numpy()
+        place(b, p0, p1, T.reshape(p1 - p0, Ci, call.Ho * call.Wo, call.Co))
+    return out
+
+
+def _into_rows_order(o, call):
+    """``X2[b, co, q, p, c]`` and its placing of a chunk (a transpose batched over q)."""
+    from . import _host_moves as moves
+
+    B, Ci, P, Co, Q = call.B, call.Ci, call.H * call.W, call.Co, call.Ho * call.Wo
+    X2 = o.empty((B, Co, Q, P * Ci))
+    X2n = X2.numpy()
+
+    def place(b, p0, p1, T):  # T[p, c, q, co]
+        moves.transpose(T.reshape(-1, Q, Co).transpose(1, 0, 2)[None, None],
                         X2n[b, :, :, p0 * Ci:p1 * Ci].transpose(1, 0, 2)[None, None])
-    U = conv(X2.view(B * m, H, W, Ci))
-    moves.transpose_rows(U.view(B * m, Q * Co).numpy(), Q, Co)
-    return U.view(call.out_shape("full"))
+    return X2, place
+
+
+def _into_nchw_order(o, call):
+    """``T[b, c, p, co, q]`` (the NCHW convolution's order) and its placing of a chunk."""
+    from . import _host_moves as moves
+
+    B, Ci, P, Co, Q = call.B, call.Ci, call.H * call.W, call.Co, call.Ho * call.Wo
+    T = o.empty((B, Ci, P, Co, Q))
+    Tn = T.numpy()
+
+    def place(b, p0, p1, t):  # t[p, c, q, co]
+        moves.transpose(t[None], Tn[b, :, p0:p1].transpose(1, 0, 2, 3)[None])
+    return T, place
+
+
+def _conv_channels_last(o, call, X, w):
+    """``(N, H, W, Ci) -> (N, Ho, Wo, Co)``, both channels-last in memory."""
+    s, p, d = call.last[:3]
+    return o.torch.nn.functional.conv2d(X.permute(0, 3, 1, 2), w, None, s[:2], p[:2], d[:2],
+                                        call.G).permute(0, 2, 3, 1).contiguous()
 
 
 def _depthwise_dense(o, call, g, w):
@@ -713,8 +759,17 @@ def _per_channel(o, call, X2, w5):
     Ho, Wo, Q)``. One convolution per output channel where a group has several input
     channels, not one grouped convolution with one output channel a group (and a
     transposed copy of its input): on the H200 16ch 102 -> 38 ms, 64ch 44 -> 17 ms
-    (strided 2.3 -> 3.0 ms); on the host 16ch 321 -> 196 ms, 64ch 74 -> 55 ms (torch)."""
+    (strided 2.3 -> 3.0 ms). On the host (``WINDOW_SUMS_ON``) the window sums of
+    :func:`convcov._host_moves.window_sums` instead, without autograd."""
     B, (Cg, H, W, Q), Co = X2.shape[0], X2.shape[-4:], call.Co
+    if o.device_type in WINDOW_SUMS_ON and not o.grad(X2, w5):
+        from . import _host_moves
+
+        D = o.empty((B, Co, call.Ho, call.Wo, Q))
+        X7 = X2.reshape((B, 1) + X2.shape[1:]) if X2.ndim == 6 else X2
+        _host_moves.window_sums(o.host(X7), o.host(o.contiguous(w5[..., 0])), o.host(D),
+                                call.stride, call.padding, call.dilation)
+        return D
     if Cg == 1:  # a depthwise convolution, fast as it is
         return o.conv(X2.reshape(B, Co * Cg, H, W, Q), w5, Co, call.last)
     D = o.empty((B, Co, call.Ho, call.Wo, Q))
