@@ -242,8 +242,9 @@ def test_random_problems_match_the_definition(data):
     # depthwise full layout by convolutions, not dense matrices (moments.DENSE_DEPTHWISE_ON),
     # torch's full layout in NCHW order (not channels-last, moments.CHANNELS_LAST_ON, whose
     # chunks take one position or all), the diagonal layout's second step by convolutions
-    # (not the host's window sums, moments.WINDOW_SUMS_ON); the variances' inner rectangle
-    # a strided view or gathered, in chunks of one row or all
+    # (not the host's window sums, moments.WINDOW_SUMS_ON); the variances' window blocks
+    # by an indexing op (not the host's kernel, moments.HOST_BLOCKS_ON), the inner
+    # rectangle a strided view or gathered, in chunks of one row or all
     cuda_ways = ("cpu",) if draw(st.booleans(), label="CUDA's ways") else ()
     host_ways = ("cpu",) if not cuda_ways else ()
     view_from = draw(st.sampled_from((0, 1 << 62)), label="view from")
@@ -254,6 +255,7 @@ def test_random_problems_match_the_definition(data):
             mock.patch.object(moments, "DENSE_DEPTHWISE_ON", host_ways), \
             mock.patch.object(moments, "CHANNELS_LAST_ON", host_ways), \
             mock.patch.object(moments, "WINDOW_SUMS_ON", host_ways), \
+            mock.patch.object(moments, "HOST_BLOCKS_ON", host_ways), \
             mock.patch.object(moments, "_CL_CHUNK", cl_chunk), \
             mock.patch.object(moments, "_VIEW_ENTRIES", view_from), \
             mock.patch.object(moments, "_GATHER_ENTRIES", chunk):
