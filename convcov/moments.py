@@ -47,7 +47,7 @@ _CHUNK = 32 << 20
 #: bound by its ~400 small launches; on the host the loop's strided copies are 2-5x faster.
 GATHER_ON = ("cuda",)
 #: Devices whose variances layout of a full gamma (without autograd) gathers the window
-#: blocks by the host's kernel (:func:`convcov._host_moves.window_blocks`), then the
+#: blocks by the host's kernel (:func:`convcov._host_kernels.window_blocks`), then the
 #: matmuls of :func:`_gathered_variances`, not the loop over kernel-offset pairs: var on
 #: the 2-core host 16ch 59-60 -> 41-42 ms, 64ch 46 -> 27-28, strided 33 -> 12, depthwise
 #: 5.5 -> 1.1 (torch; NumPy arrays 1.3-5x likewise).
@@ -342,15 +342,15 @@ class _NumpyOps:
         """``(A + A^T) / 2`` of a stack of square matrices ``(N, r, r)`` (``A`` the caller's
         own: it may be overwritten), rounded once into ``out`` (a new array when None):
         bitwise symmetric, as addition commutes. On the host by the numba backend's tiles
-        (:func:`convcov._host_moves.symmetrize`: in place, or in out after a copy), 3-5x
+        (:func:`convcov._host_kernels.symmetrize`: in place, or in out after a copy), 3-5x
         faster than strided copies; elsewhere the transposed copy goes in column strips
         (each read is contiguous) and the add is then contiguous."""
         direct = out is not None and out.dtype == self.dtype and self._c_contiguous(out)
         if self.device_type == "cpu" and not self.grad(A, out) and self._c_contiguous(A):
-            from . import _host_moves
+            from . import _host_kernels
 
             dst = out.reshape(A.shape) if direct else A
-            _host_moves.symmetrize(self.host(A), self.host(dst))
+            _host_kernels.symmetrize(self.host(A), self.host(dst))
             return self.result(dst, out) if out is not None and not direct else dst
         dst = out.reshape(A.shape) if direct else self.empty(A.shape)
         for i in range(0, A.shape[1], 512):
@@ -668,21 +668,21 @@ def _channels_last(o, call, g, w):
     ``U = conv(X2)`` ``[b, co, q, q', co']``, each of whose rows is put in ``(co', q')``
     order in place. Memory beyond gamma: X2 (``B n m`` entries), the result (``B m^2``)
     and a chunk."""
-    from . import _host_moves as moves
+    from . import _host_kernels as hk
 
     B, Ci, H, W, Co, Q = call.B, call.Ci, call.H, call.W, call.Co, call.Ho * call.Wo
     X2 = _right_channels_last(o, call, g, w, _into_rows_order)
     U = _conv_channels_last(o, call, X2.view(B * Co * Q, H, W, Ci), w)
-    moves.transpose_rows(U.view(B * Co * Q, Q * Co).numpy(), Q, Co)
+    hk.transpose_rows(U.view(B * Co * Q, Q * Co).numpy(), Q, Co)
     return U.view(call.out_shape("full"))
 
 
 def _right_channels_last(o, call, g, w, order):
     """The right index of gamma (``Cg = Ci``) convolved in channels-last order, in chunks of
     gamma's rows ``(b, p, all c)`` put in ``(p', c')`` order by the host's tiled
-    transposes (:mod:`convcov._host_moves`): each chunk's ``T[p, c, q, co]`` goes into
+    transposes (:mod:`convcov._host_kernels`): each chunk's ``T[p, c, q, co]`` goes into
     the array ``order`` makes (``order(o, call)`` gives it and a function placing a chunk)."""
-    from . import _host_moves as moves
+    from . import _host_kernels as hk
 
     B, Ci, H, W, P = call.B, call.Ci, call.H, call.W, call.H * call.W
     n = Ci * P
@@ -693,7 +693,7 @@ def _right_channels_last(o, call, g, w, order):
     for b, p0 in itertools.product(range(B), range(0, P, k)):
         p1 = min(P, p0 + k)
         X1c = X1[:(p1 - p0) * Ci * n].view(p1 - p0, Ci, P, Ci)
-        moves.transpose(g5[b, :, p0:p1].transpose(1, 0, 2, 3)[None], X1c.numpy()[None])
+        hk.transpose(g5[b, :, p0:p1].transpose(1, 0, 2, 3)[None], X1c.numpy()[None])
         T = _conv_channels_last(o, call, X1c.view(-1, H, W, Ci), w).numpy()
         place(b, p0, p1, T.reshape(p1 - p0, Ci, call.Ho * call.Wo, call.Co))
     return out
@@ -701,28 +701,28 @@ def _right_channels_last(o, call, g, w, order):
 
 def _into_rows_order(o, call):
     """``X2[b, co, q, p, c]`` and its placing of a chunk (a transpose batched over q)."""
-    from . import _host_moves as moves
+    from . import _host_kernels as hk
 
     B, Ci, P, Co, Q = call.B, call.Ci, call.H * call.W, call.Co, call.Ho * call.Wo
     X2 = o.empty((B, Co, Q, P * Ci))
     X2n = X2.numpy()
 
     def place(b, p0, p1, T):  # T[p, c, q, co]
-        moves.transpose(T.reshape(-1, Q, Co).transpose(1, 0, 2)[None, None],
+        hk.transpose(T.reshape(-1, Q, Co).transpose(1, 0, 2)[None, None],
                         X2n[b, :, :, p0 * Ci:p1 * Ci].transpose(1, 0, 2)[None, None])
     return X2, place
 
 
 def _into_nchw_order(o, call):
     """``T[b, c, p, co, q]`` (the NCHW convolution's order) and its placing of a chunk."""
-    from . import _host_moves as moves
+    from . import _host_kernels as hk
 
     B, Ci, P, Co, Q = call.B, call.Ci, call.H * call.W, call.Co, call.Ho * call.Wo
     T = o.empty((B, Ci, P, Co, Q))
     Tn = T.numpy()
 
     def place(b, p0, p1, t):  # t[p, c, q, co]
-        moves.transpose(t[None], Tn[b, :, p0:p1].transpose(1, 0, 2, 3)[None])
+        hk.transpose(t[None], Tn[b, :, p0:p1].transpose(1, 0, 2, 3)[None])
     return T, place
 
 
@@ -766,14 +766,14 @@ def _per_channel(o, call, X2, w5):
     channels, not one grouped convolution with one output channel a group (and a
     transposed copy of its input): on the H200 16ch 102 -> 38 ms, 64ch 44 -> 17 ms
     (strided 2.3 -> 3.0 ms). On the host (``WINDOW_SUMS_ON``) the window sums of
-    :func:`convcov._host_moves.window_sums` instead, without autograd."""
+    :func:`convcov._host_kernels.window_sums` instead, without autograd."""
     B, (Cg, H, W, Q), Co = X2.shape[0], X2.shape[-4:], call.Co
     if o.device_type in WINDOW_SUMS_ON and not o.grad(X2, w5):
-        from . import _host_moves
+        from . import _host_kernels
 
         D = o.empty((B, Co, call.Ho, call.Wo, Q))
         X7 = X2.reshape((B, 1) + X2.shape[1:]) if X2.ndim == 6 else X2
-        _host_moves.window_sums(o.host(X7), o.host(o.contiguous(w5[..., 0])), o.host(D),
+        _host_kernels.window_sums(o.host(X7), o.host(o.contiguous(w5[..., 0])), o.host(D),
                                 call.stride, call.padding, call.dilation)
         return D
     if Cg == 1:  # a depthwise convolution, fast as it is
@@ -851,10 +851,10 @@ def _gathered_variances(o, call, g, w):
 
     def gathered(i0, i1, j0, j1):  # (B, G, i, j, c, ah, aw, (c',) bh, bw)
         if full and o.device_type in HOST_BLOCKS_ON and not o.grad(g):
-            from . import _host_moves
+            from . import _host_kernels
 
             blk = o.empty((B, G, i1 - i0, j1 - j0) + (Cg, call.kh, call.kw) * 2)
-            _host_moves.window_blocks(o.host(g), o.host(blk), i0, j0, call.stride,
+            _host_kernels.window_blocks(o.host(g), o.host(blk), i0, j0, call.stride,
                                       call.padding, call.dilation)
             return blk
         x, vx, y, vy = X[i0:i1], vX[i0:i1], Y[j0:j1], vY[j0:j1]

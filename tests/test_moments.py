@@ -180,7 +180,7 @@ def test_a_nonsymmetric_gamma_counts_as_its_symmetric_part():
 def test_host_symmetrisation_is_the_mean_with_the_transpose(r, dtype):
     """The host's tiles give 0.5 a + 0.5 a^T bit for bit, in place and apart, on sizes
     that are and are not whole tiles."""
-    from convcov import _host_moves as nb
+    from convcov import _host_kernels as nb
 
     A = np.random.default_rng(r).standard_normal((3, r, r)).astype(dtype)
     want = 0.5 * A + 0.5 * A.transpose(0, 2, 1)

@@ -2,7 +2,7 @@
 
 Owns the Numba CPU implementation of SPEC section 1 and its run-time rules: how arrays
 reach the kernel, which code is compiled, and how calls run on Numba's threading layer
-(which ``convcov._host_moves``, conv2d_moments' kernels on the host, shares).
+(which ``convcov._host_kernels``, conv2d_moments' kernels on the host, shares).
 
 How it computes (docs/numba.md has the design notes and the measurements): SPEC section 1
 as a walk along S's planes, as the GPU backends' ``cc_walk``. For one ``(b, g)`` and one
