@@ -709,7 +709,7 @@ def _into_rows_order(o, call):
 
     def place(b, p0, p1, T):  # T[p, c, q, co]
         hk.transpose(T.reshape(-1, Q, Co).transpose(1, 0, 2)[None, None],
-                        X2n[b, :, :, p0 * Ci:p1 * Ci].transpose(1, 0, 2)[None, None])
+                     X2n[b, :, :, p0 * Ci:p1 * Ci].transpose(1, 0, 2)[None, None])
     return X2, place
 
 
@@ -774,7 +774,7 @@ def _per_channel(o, call, X2, w5):
         D = o.empty((B, Co, call.Ho, call.Wo, Q))
         X7 = X2.reshape((B, 1) + X2.shape[1:]) if X2.ndim == 6 else X2
         _host_kernels.window_sums(o.host(X7), o.host(o.contiguous(w5[..., 0])), o.host(D),
-                                call.stride, call.padding, call.dilation)
+                                  call.stride, call.padding, call.dilation)
         return D
     if Cg == 1:  # a depthwise convolution, fast as it is
         return o.conv(X2.reshape(B, Co * Cg, H, W, Q), w5, Co, call.last)
@@ -855,7 +855,7 @@ def _gathered_variances(o, call, g, w):
 
             blk = o.empty((B, G, i1 - i0, j1 - j0) + (Cg, call.kh, call.kw) * 2)
             _host_kernels.window_blocks(o.host(g), o.host(blk), i0, j0, call.stride,
-                                      call.padding, call.dilation)
+                                        call.padding, call.dilation)
             return blk
         x, vx, y, vy = X[i0:i1], vX[i0:i1], Y[j0:j1], vY[j0:j1]
         inside = at(vx, 1, r[0]) & at(vy, 2, r[1]) & at(vx, 1, r[2]) & at(vy, 2, r[3])
