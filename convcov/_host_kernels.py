@@ -2,8 +2,9 @@
 backend's threading rules (:func:`convcov.backends.numba._call`): ``symmetrize``, the
 result's exact symmetrisation; ``transpose`` and ``transpose_rows``, the orders of the
 channels-last convolutions (:func:`convcov.moments._channels_last`); ``window_sums``, the
-diagonal layout's convolution of each output channel's own block. Arrays are NumPy
-arrays of one dtype (float32 or float64); nothing here validates.
+diagonal layout's convolution of each output channel's own block; ``window_blocks``, the
+variances layout's block of gamma for each output position. Arrays are NumPy arrays of
+one dtype (float32 or float64); nothing here validates.
 """
 from __future__ import annotations
 

@@ -25,9 +25,9 @@ queue drained before it) on a GPU, ``time.perf_counter`` on the host.
 
 Each row has its floor (:func:`_work`): the larger of reading what the row's layout
 needs of ``gamma`` and writing the result once at the copy bandwidth measured in the same
-run, and the multiply-adds of what
-the row's layout keeps, half of each symmetric part, at the peak of the row's precision
-measured in the same run (a large matrix product: float32 with TF32 off, TF32, bfloat16).
+run, and the multiply-adds of what the row's layout keeps, half of each symmetric part,
+at the peak of the row's precision measured in the same run (a large matrix product:
+float32 with TF32 off, TF32, bfloat16).
 The baselines compute the full ``K gamma K^T``: their floor is the "full" layout's.
 """
 

@@ -793,8 +793,7 @@ def _carried_variances(o, call, g, w):
     Cg, Cpg = Ci // G, Co // G
     if call.gamma_form == "var":  # independent entries: the squared weights
         return o.conv(g[..., None], (w * w)[..., None], G, call.last)[..., 0]
-    if o.device_type in GATHER_ON or (
-            call.gamma_form == "full" and o.device_type in HOST_BLOCKS_ON and not o.grad(g, w)):
+    if o.device_type in GATHER_ON or _host_blocks(o, call, g, w):
         return _gathered_variances(o, call, g, w)
     A = o.zeros((B, G, Cpg, Ho, Wo))
     wg = w.reshape(G, Cpg, Cg, call.kh, call.kw)
@@ -820,6 +819,11 @@ def _carried_variances(o, call, g, w):
                 "gjc,bgchw->bgjhw", wg[..., i0, j0] * wg[..., i1, j1],
                 sub.reshape(B, G, Cg, hh - lh, hw - lw))
     return A.reshape(B, Co, Ho, Wo)
+
+
+def _host_blocks(o, call, g, w) -> bool:
+    """Whether the variances' window blocks of a full gamma come from the host's kernel."""
+    return call.gamma_form == "full" and o.device_type in HOST_BLOCKS_ON and not o.grad(g, w)
 
 
 def _gathered_variances(o, call, g, w):
@@ -850,7 +854,7 @@ def _gathered_variances(o, call, g, w):
     ch = o.arange(G)[:, None] * Cg + o.arange(Cg)[None, :]
 
     def gathered(i0, i1, j0, j1):  # (B, G, i, j, c, ah, aw, (c',) bh, bw)
-        if full and o.device_type in HOST_BLOCKS_ON and not o.grad(g):
+        if _host_blocks(o, call, g, w):
             from . import _host_kernels
 
             blk = o.empty((B, G, i1 - i0, j1 - j0) + (Cg, call.kh, call.kw) * 2)

@@ -180,15 +180,15 @@ def test_a_nonsymmetric_gamma_counts_as_its_symmetric_part():
 def test_host_symmetrisation_is_the_mean_with_the_transpose(r, dtype):
     """The host's tiles give 0.5 a + 0.5 a^T bit for bit, in place and apart, on sizes
     that are and are not whole tiles."""
-    from convcov import _host_kernels as nb
+    from convcov import _host_kernels as hk
 
     A = np.random.default_rng(r).standard_normal((3, r, r)).astype(dtype)
     want = 0.5 * A + 0.5 * A.transpose(0, 2, 1)
     D, before = np.full_like(A, np.nan), A.copy()
-    nb.symmetrize(A, D)
+    hk.symmetrize(A, D)
     np.testing.assert_array_equal(D, want)
     np.testing.assert_array_equal(A, before)  # (apart: A as it was)
-    nb.symmetrize(A, A)
+    hk.symmetrize(A, A)
     np.testing.assert_array_equal(A, want)
 
 
