@@ -2,8 +2,7 @@
 backend's threading rules (:func:`convcov.backends.numba._call`): ``symmetrize``, the
 result's exact symmetrisation; ``transpose`` and ``transpose_rows``, the orders of the
 channels-last convolutions (:func:`convcov.moments._channels_last`); ``window_sums``, the
-diagonal layout's convolution of each output channel's own block; ``window_blocks``, the
-variances layout's block of gamma for each output position. Arrays are NumPy arrays of
+diagonal layout's convolution of each output channel's own block. Arrays are NumPy arrays of
 one dtype (float32 or float64); nothing here validates.
 """
 from __future__ import annotations
@@ -174,45 +173,3 @@ def window_sums(X, w, D, stride, padding, dilation) -> None:
     if X.strides[6] != X.itemsize:
         X = np.ascontiguousarray(X)
     _call(_sums_parallel, _sums_serial, X, w, D, *stride, *padding, *dilation)
-
-
-def _window_blocks(g, out, i0, j0, sh, sw, ph, pw, dh, dw):
-    """``out[b, G, i, j, c, u, v, c', u', v'] = g[b, G*Cg + c, x(u), y(v), G*Cg + c', x(u'),
-    y(v')]`` at output position ``(i0 + i, j0 + j)`` (``x(u) = (i0 + i)*sh - ph + u*dh``,
-    likewise ``y``), 0 where a position is in the padding."""
-    B, NG, ni, nj, Cg, kh, kw = out.shape[:7]
-    H, W = g.shape[2], g.shape[3]
-    for job in prange(B * NG * ni * nj):
-        jj, r1 = job % nj, job // nj
-        ii, r2 = r1 % ni, r1 // ni
-        G, b = r2 % NG, r2 // NG
-        i, j = i0 + ii, j0 + jj
-        blk = out[b, G, ii, jj]
-        for c in range(Cg):
-            for u in range(kh):
-                x = i * sh - ph + u * dh
-                for v in range(kw):
-                    y = j * sw - pw + v * dw
-                    a = blk[c, u, v]
-                    if x < 0 or x >= H or y < 0 or y >= W:
-                        a[...] = 0
-                        continue
-                    row = g[b, G * Cg + c, x, y]
-                    for c2 in range(Cg):
-                        for u2 in range(kh):
-                            x2 = i * sh - ph + u2 * dh
-                            for v2 in range(kw):
-                                y2 = j * sw - pw + v2 * dw
-                                inside = x2 >= 0 and x2 < H and y2 >= 0 and y2 < W
-                                a[c2, u2, v2] = row[G * Cg + c2, x2, y2] if inside else 0
-
-
-_blocks_parallel = njit(parallel=True, **_jit)(_window_blocks)
-_blocks_serial = njit(**_jit)(_renamed(_window_blocks, "_window_blocks_serial"))
-
-
-def window_blocks(g, out, i0, j0, stride, padding, dilation) -> None:
-    """The block of a full ``g`` ``(B, Ci, H, W, Ci, H, W)`` that each output position's
-    windows read (:func:`_window_blocks`), for the rectangle of positions from ``(i0,
-    j0)`` that ``out`` ``(B, G, ni, nj, Cg, kh, kw, Cg, kh, kw)`` holds."""
-    _call(_blocks_parallel, _blocks_serial, g, out, i0, j0, *stride, *padding, *dilation)

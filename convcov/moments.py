@@ -41,23 +41,10 @@ from ._errors import BackendError, ShapeError
 LAYOUTS = ("full", "diag", "var")
 #: Bytes of im2col columns the NumPy convolution builds at once (a cache-friendly chunk).
 _CHUNK = 32 << 20
-#: Devices whose variances layout gathers every output position's window block of gamma
-#: in one indexing op (:func:`_gathered_variances`): on the H200 7-20x faster than a loop
-#: over kernel-offset pairs (16ch 26.5 -> 3.4 ms, depthwise 13.1 -> 1.1 ms), which is
-#: bound by its ~400 small launches; on the host the loop's strided copies are 2-5x faster.
-GATHER_ON = ("cuda",)
-#: Devices whose variances layout of a full gamma (without autograd) gathers the window
-#: blocks by the host's kernel (:func:`convcov._host_kernels.window_blocks`), then the
-#: matmuls of :func:`_gathered_variances`, not the loop over kernel-offset pairs: var on
-#: the 2-core host 16ch 59-60 -> 41-42 ms, 64ch 46 -> 27-28, strided 33 -> 12, depthwise
-#: 5.5 -> 1.1 (torch; NumPy arrays 1.3-5x likewise).
-HOST_BLOCKS_ON = ("cpu",)
-#: Entries of gamma the gathered variances hold at once (a chunk of output rows).
-_GATHER_ENTRIES = 1 << 26
-#: Entries from which the variances' inner rectangle is a strided view of gamma, not
-#: gathered: buys 16ch 3.8 -> 2.3 ms and 64ch 7.3 -> 3.9 ms on the H200; below it (strided
-#: 19M, depthwise 2M entries) its four extra gathers cost 0.5-1.5 ms more than it saves.
-_VIEW_ENTRIES = 1 << 25
+#: Entries of gamma's window blocks the variances layout holds at once (a chunk of output
+#: rows), by device: on the host a chunk in cache (var on the 2-core host, 2^18 against
+#: 2^26: 16ch 32 -> 19 ms, 64ch 37 -> 22 ms); on CUDA few launches.
+_BLOCK_ENTRIES = {"cpu": 1 << 18, "cuda": 1 << 26}
 #: Devices whose grouped full layout runs its second convolution as a 2-D convolution
 #: batched over the riding index (:func:`_carried`), not as cuDNN's grouped 3-D one:
 #: depthwise 24.1 -> 19.6 ms on the H200; on the host 1.15x slower.
@@ -138,6 +125,17 @@ class _Call:
     def first(self):
         """The conv geometry on axes (E, H, W): the kernel on the last two."""
         return (1, *self.stride), (0, *self.padding), (1, *self.dilation), "first"
+
+    def runs(self, axis):
+        """Output positions ``[a, b)`` along an axis in runs whose windows have the same
+        kernel offsets ``[lo, hi)`` inside the image: ``(a, b, lo, hi)`` for each run (none
+        for positions whose windows lie wholly in the padding)."""
+        n_out, ranges = (self.Ho, self.Wo)[axis], self.ranges()[axis]
+        cuts = sorted({0, n_out, *(v for r in ranges for v in r if 0 <= v <= n_out)})
+        for a, b in zip(cuts, cuts[1:]):
+            inside = [i for i, (lo, hi) in enumerate(ranges) if lo <= a < hi]
+            if inside:
+                yield a, b, inside[0], inside[-1] + 1
 
     def window(self, axis, i, lo, hi):
         """The input slice that output positions ``[lo, hi)`` read under offset ``i``."""
@@ -280,10 +278,6 @@ class _NumpyOps:
     def cat(self, xs, axis):
         return np.concatenate(xs, axis)
 
-    def where(self, mask, x):
-        """``x`` where ``mask``, else 0 (never ``x * 0``: a NaN or Inf outside stays out)."""
-        return np.where(mask, x, 0)
-
     def strides(self, x):
         """``x``'s strides in elements."""
         return tuple(s // x.itemsize for s in x.strides)
@@ -409,9 +403,6 @@ class _TorchOps(_NumpyOps):
 
     def cat(self, xs, axis):
         return self.torch.cat(xs, axis)
-
-    def where(self, mask, x):
-        return self.torch.where(mask, x, 0)
 
     def strides(self, x):
         return x.stride()
@@ -786,121 +777,52 @@ def _per_channel(o, call, X2, w5):
 
 
 def _carried_variances(o, call, g, w):
-    """The diagonal of ``K gamma K^T``, ``(B, Co, Ho, Wo)``, without the rest: per pair of
-    kernel offsets, gamma at the two positions that offset pair reads for one output
-    position (a strided diagonal view), weighted by the two weights."""
+    """The diagonal of ``K gamma K^T``, ``(B, Co, Ho, Wo)``, without the rest: for a chunk
+    of output rows, the block of gamma that each position's windows read, ``(N, N)`` with
+    ``N = Cg kh kw`` (``Cg`` blocks of ``(kh kw, kh kw)`` for a channel-diagonal gamma),
+    and each output channel's quadratic form ``w^T block w`` as one matmul and a sum. The
+    blocks are copied from strided views of gamma, one for each rectangle of positions
+    whose windows have the same kernel offsets inside the image (:meth:`_Call.runs`: the
+    inner rectangle, the edges, the corners), into one buffer whose terms in the padding
+    are 0: all positions share one matmul."""
     B, Ci, G, Co, Ho, Wo = call.B, call.Ci, call.G, call.Co, call.Ho, call.Wo
-    Cg, Cpg = Ci // G, Co // G
+    Cg, Cpg, kh, kw = Ci // G, Co // G, call.kh, call.kw
     if call.gamma_form == "var":  # independent entries: the squared weights
         return o.conv(g[..., None], (w * w)[..., None], G, call.last)[..., 0]
-    if o.device_type in GATHER_ON or _host_blocks(o, call, g, w):
-        return _gathered_variances(o, call, g, w)
-    A = o.zeros((B, G, Cpg, Ho, Wo))
-    wg = w.reshape(G, Cpg, Cg, call.kh, call.kw)
-    rh, rw = call.ranges()
-    for (i0, j0), (i1, j1) in itertools.product(
-            itertools.product(range(call.kh), range(call.kw)), repeat=2):
-        (lh, hh), (lw, hw) = (max(rh[i0][0], rh[i1][0]), min(rh[i0][1], rh[i1][1])), (
-            max(rw[j0][0], rw[j1][0]), min(rw[j0][1], rw[j1][1]))
-        if lh >= hh or lw >= hw:
-            continue
-        x0, y0 = call.window(0, i0, lh, hh), call.window(1, j0, lw, hw)
-        x1, y1 = call.window(0, i1, lh, hh), call.window(1, j1, lw, hw)
-        if call.gamma_form == "full":
-            sub = g[:, :, x0, y0, :, x1, y1].reshape(B, G, Cg, hh - lh, hw - lw, G, Cg,
-                                                     hh - lh, hw - lw)
-            sub = sub.diagonal(0, 1, 5).diagonal(0, 2, 5).diagonal(0, 2, 4)  # (B, Cg, Cg, G, h, w)
-            # the right weights first (a matmul over d), then the left ones
-            V = o.einsum("gjd,bcdghw->bgjchw", wg[..., i1, j1], sub)
-            A[:, :, :, lh:hh, lw:hw] += o.einsum("gjc,bgjchw->bgjhw", wg[..., i0, j0], V)
-        else:
-            sub = g[:, :, x0, y0, x1, y1].diagonal(0, 2, 4).diagonal(0, 2, 3)  # (B, Ci, h, w)
-            A[:, :, :, lh:hh, lw:hw] += o.einsum(
-                "gjc,bgchw->bgjhw", wg[..., i0, j0] * wg[..., i1, j1],
-                sub.reshape(B, G, Cg, hh - lh, hw - lw))
-    return A.reshape(B, Co, Ho, Wo)
-
-
-def _host_blocks(o, call, g, w) -> bool:
-    """Whether the variances' window blocks of a full gamma come from the host's kernel."""
-    return call.gamma_form == "full" and o.device_type in HOST_BLOCKS_ON and not o.grad(g, w)
-
-
-def _gathered_variances(o, call, g, w):
-    """:func:`_carried_variances` by blocks: for a rectangle of output positions, the block
-    of gamma that each position's windows read, ``(N, N)`` with ``N = Cg kh kw`` (``Cg``
-    blocks of ``(kh kw, kh kw)`` for a channel-diagonal gamma), and each output channel's
-    quadratic form ``w^T block w`` as one matmul and a sum. Where no window reaches the
-    padding the blocks are one strided view of gamma (copied at the copy rate: on the H200
-    5.5-6x faster than an indexing op); the ring of positions around it is gathered by one
-    indexing op (clipped indices, the terms in the padding then set to 0)."""
-    B, Ci, G, Co, H, W, Ho, Wo = call.B, call.Ci, call.G, call.Co, call.H, call.W, call.Ho, call.Wo
-    Cg, Cpg, K = Ci // G, Co // G, call.kh * call.kw
     full = call.gamma_form == "full"
-    nd = 9 if full else 8  # index axes: g, i, j, then (c,) ah, aw, (c,) bh, bw
-    r = (4, 5, 7, 8) if full else (4, 5, 6, 7)  # the axes of ah, aw, bh, bw
-    shape = (B, G, Cg * K, Cg * K) if full else (B, G, Cg, K, K)  # a block, batch axes first
-
-    def at(t, *axes):  # t's axes placed on the index axes ``axes``, the rest of size 1
-        return t.reshape([t.shape[axes.index(q)] if q in axes else 1 for q in range(nd)])
-
-    def axis(n, n_out, k, a):  # input positions of (output position, offset), and inside?
-        s, p, d = call.stride[a], call.padding[a], call.dilation[a]
-        x = o.arange(n_out)[:, None] * s + o.arange(k)[None, :] * d - p
-        inner = (min(n_out, -(-p // s)), max(0, min(n_out, (n - 1 + p - (k - 1) * d) // s + 1)))
-        return x.clip(0, n - 1), (x >= 0) & (x < n), inner
-
-    (X, vX, (ia, ib)), (Y, vY, (ja, jb)) = axis(H, Ho, call.kh, 0), axis(W, Wo, call.kw, 1)
-    ch = o.arange(G)[:, None] * Cg + o.arange(Cg)[None, :]
-
-    def gathered(i0, i1, j0, j1):  # (B, G, i, j, c, ah, aw, (c',) bh, bw)
-        if _host_blocks(o, call, g, w):
-            from . import _host_kernels
-
-            blk = o.empty((B, G, i1 - i0, j1 - j0) + (Cg, call.kh, call.kw) * 2)
-            _host_kernels.window_blocks(o.host(g), o.host(blk), i0, j0, call.stride,
-                                        call.padding, call.dilation)
-            return blk
-        x, vx, y, vy = X[i0:i1], vX[i0:i1], Y[j0:j1], vY[j0:j1]
-        inside = at(vx, 1, r[0]) & at(vy, 2, r[1]) & at(vx, 1, r[2]) & at(vy, 2, r[3])
-        pos = (at(x, 1, r[0]), at(y, 2, r[1]), at(x, 1, r[2]), at(y, 2, r[3]))
-        if full:
-            blk = g[:, at(ch, 0, 3), pos[0], pos[1], at(ch, 0, 6), pos[2], pos[3]]
-        else:
-            blk = g[(slice(None), at(ch, 0, 3)) + pos]
-        return o.where(inside, blk)
-
-    def viewed(i0, i1, j0, j1):  # the same, every term inside: a view of gamma
-        (sh, sw), (ph, pw), (dh, dw) = call.stride, call.padding, call.dilation
-        x0, y0 = i0 * sh - ph, j0 * sw - pw
-        v = g[(slice(None), slice(None), slice(x0, None), slice(y0, None))
-              + (slice(None),) * full + (slice(x0, None), slice(y0, None))]
-        sb, sc, sx, sy, *sc1, sx1, sy1 = o.strides(v)  # sc1: the second channel axis (full)
-        return o.strided(v, (B, G, i1 - i0, j1 - j0, Cg, call.kh, call.kw) + (Cg,) * full
-                         + (call.kh, call.kw),
-                         (sb, Cg * (sc + sum(sc1)), sh * (sx + sx1), sw * (sy + sy1), sc,
-                          dh * sx, dw * sy, *sc1, dh * sx1, dw * sy1))
-
-    # The inner rectangle (viewed) and the ring around it (gathered), in chunks of rows;
-    # a small problem in one gather (its launches cost more than the view saves).
-    inner = max(0, ib - ia) * max(0, jb - ja) * math.prod(shape)
-    rects = [(0, Ho, 0, Wo, gathered)]
-    if inner >= _VIEW_ENTRIES:
-        rects = [(ia, ib, ja, jb, viewed), (0, ia, 0, Wo, gathered), (ib, Ho, 0, Wo, gathered),
-                 (ia, ib, 0, ja, gathered), (ia, ib, jb, Wo, gathered)]
-    wg = w.reshape(G, Cpg, Cg * K if full else Cg, 1 if full else K)
-    wr = o.perm(wg, (0, 2, 3, 1))[None, :, None]  # (1, G, 1, N or Cg, 1 or K, Cpg)
-    wr = wr.reshape(1, G, 1, Cg * K, Cpg) if full else wr.reshape(1, G, 1, Cg, K, Cpg)
+    (sh, sw), (ph, pw), (dh, dw) = call.stride, call.padding, call.dilation
+    blk_shape = (Cg * kh * kw,) * 2 if full else (Cg, kh * kw, kh * kw)
+    wr = o.perm(w.reshape(G, Cpg, Cg, kh, kw), (0, 2, 3, 4, 1))  # (G, Cg, kh, kw, Cpg)
+    wr = wr.reshape((1, G, 1) + blk_shape[:-1] + (Cpg,))
+    rh, rw = list(call.runs(0)), list(call.runs(1))
+    # Where every position has a run, 0s only in the partial runs' blocks, not a memset of
+    # all blocks (H100, CUDA graph replay: 16ch var 0.85 -> 0.77 ms, 64ch 1.82 -> 1.73 ms).
+    covered = sum(r[1] - r[0] for r in rh) == Ho and sum(r[1] - r[0] for r in rw) == Wo
+    rows = max(1, _BLOCK_ENTRIES[o.device_type] // (math.prod(blk_shape) * Wo))
     A = o.empty((B, G, Cpg, Ho, Wo))
-    for i0, i1, j0, j1, blocks in rects:
-        if i0 >= i1 or j0 >= j1:
-            continue
-        rows = max(1, _GATHER_ENTRIES // (math.prod(shape) * (j1 - j0)))
-        for a in range(i0, i1, rows):
-            b = min(i1, a + rows)
-            blk = blocks(a, b, j0, j1).reshape(shape[:2] + (-1,) + shape[2:])
-            q = ((blk @ wr) * wr).sum(-2 if full else (-3, -2))  # (B, G, P, Cpg)
-            A[:, :, :, a:b, j0:j1] = o.perm(q, (0, 1, 3, 2)).reshape(B, G, Cpg, b - a, j1 - j0)
+    for a in range(0, Ho, rows):
+        b = min(Ho, a + rows)
+        blk = (o.empty if covered else o.zeros)((B, G, b - a, Wo, Cg, kh, kw) + (Cg,) * full
+                                                + (kh, kw))
+        for (i0, i1, hl, hh), (j0, j1, wl, wh) in itertools.product(rh, rw):
+            i0, i1 = max(i0, a), min(i1, b)
+            if i0 >= i1:
+                continue
+            at = (slice(None), slice(None), slice(i0 - a, i1 - a), slice(j0, j1))
+            if covered and (hh - hl) * (wh - wl) < kh * kw:
+                blk[at] = 0
+            x0, y0 = i0 * sh + hl * dh - ph, j0 * sw + wl * dw - pw
+            v = g[(slice(None), slice(None), slice(x0, None), slice(y0, None))
+                  + (slice(None),) * full + (slice(x0, None), slice(y0, None))]
+            sb, sc, sx, sy, *sc1, sx1, sy1 = o.strides(v)  # sc1: the second channel axis
+            u, t = (slice(hl, hh), slice(wl, wh)), (slice(None),) * (1 + full)
+            ker = (hh - hl, wh - wl)
+            blk[at + t[:1] + u + t[1:] + u] = o.strided(
+                v, (B, G, i1 - i0, j1 - j0, Cg, *ker) + (Cg,) * full + ker,
+                (sb, Cg * (sc + sum(sc1)), sh * (sx + sx1), sw * (sy + sy1), sc, dh * sx,
+                 dw * sy, *sc1, dh * sx1, dw * sy1))
+        q = ((blk.reshape((B, G, -1) + blk_shape) @ wr) * wr).sum(-2 if full else (-3, -2))
+        A[:, :, :, a:b] = o.perm(q, (0, 1, 3, 2)).reshape(B, G, Cpg, b - a, Wo)
     return A.reshape(B, Co, Ho, Wo)
 
 

@@ -237,28 +237,22 @@ def test_random_problems_match_the_definition(data):
         out = make(np.full(shape, np.nan), kind, out_dt)
         dts.append(out_dt)
     geo = dict(stride=s, padding=p, dilation=d, groups=G)
-    # CUDA's ways here too: the variances gathered by window blocks (not by offset pairs),
-    # a grouped full layout's second convolution not grouped (moments.UNGROUPED_ON), a
-    # depthwise full layout by convolutions, not dense matrices (moments.DENSE_DEPTHWISE_ON),
-    # torch's full layout in NCHW order (not channels-last, moments.CHANNELS_LAST_ON, whose
-    # chunks take one position or all), the diagonal layout's second step by convolutions
-    # (not the host's window sums, moments.WINDOW_SUMS_ON); the variances' window blocks
-    # by an indexing op (not the host's kernel, moments.HOST_BLOCKS_ON), the inner
-    # rectangle a strided view or gathered, in chunks of one row or all
+    # CUDA's ways here too: a grouped full layout's second convolution not grouped
+    # (moments.UNGROUPED_ON), a depthwise full layout by convolutions, not dense matrices
+    # (moments.DENSE_DEPTHWISE_ON), torch's full layout in NCHW order (not channels-last,
+    # moments.CHANNELS_LAST_ON, whose chunks take one position or all), the diagonal
+    # layout's second step by convolutions (not the host's window sums,
+    # moments.WINDOW_SUMS_ON); the variances' window blocks in chunks of one row or all
     cuda_ways = ("cpu",) if draw(st.booleans(), label="CUDA's ways") else ()
     host_ways = ("cpu",) if not cuda_ways else ()
-    view_from = draw(st.sampled_from((0, 1 << 62)), label="view from")
     chunk = draw(st.sampled_from((1, 1 << 26)), label="entries a chunk")
     cl_chunk = draw(st.sampled_from((1, 1 << 21)), label="bytes a channels-last chunk")
-    with mock.patch.object(moments, "GATHER_ON", cuda_ways), \
-            mock.patch.object(moments, "UNGROUPED_ON", cuda_ways), \
+    with mock.patch.object(moments, "UNGROUPED_ON", cuda_ways), \
             mock.patch.object(moments, "DENSE_DEPTHWISE_ON", host_ways), \
             mock.patch.object(moments, "CHANNELS_LAST_ON", host_ways), \
             mock.patch.object(moments, "WINDOW_SUMS_ON", host_ways), \
-            mock.patch.object(moments, "HOST_BLOCKS_ON", host_ways), \
             mock.patch.object(moments, "_CL_CHUNK", cl_chunk), \
-            mock.patch.object(moments, "_VIEW_ENTRIES", view_from), \
-            mock.patch.object(moments, "_GATHER_ENTRIES", chunk):
+            mock.patch.dict(moments._BLOCK_ENTRIES, cpu=chunk):
         mo, go = convcov.conv2d_moments(args["mu"], args["gamma"], args["weight"],
                                         args["bias"], args["c"], c_bias=args["c_bias"],
                                         out_layout=layout, out=out, backend=backend, **geo)
@@ -305,7 +299,7 @@ def test_gamma_out_is_exactly_symmetric(kind, layout, form):
 @pytest.mark.parametrize("geometry", GEOMETRIES)
 @pytest.mark.parametrize("form", FORMS)
 def test_cuda_arrays_match_the_definition(kind, geometry, form):
-    """On a CUDA device (its own ways: the variances gathered, a grouped full layout's
+    """On a CUDA device (its own ways: a grouped full layout's
     second convolution not grouped), torch tensors, CuPy arrays and numba device arrays,
     float64 and float32, every layout and c form, with and without out (a permuted view
     where the kind has one)."""
@@ -561,10 +555,9 @@ def test_moments_match_monte_carlo(depth):
 ])
 def test_gradcheck_in_every_input(form, layout, c_form, cuda_ways, monkeypatch):
     """In float64, with CUDA's ways (see the property test) and the host's."""
-    monkeypatch.setattr(moments, "GATHER_ON", ("cpu",) if cuda_ways else ())
     monkeypatch.setattr(moments, "UNGROUPED_ON", ("cpu",) if cuda_ways else ())
     monkeypatch.setattr(moments, "DENSE_DEPTHWISE_ON", () if cuda_ways else ("cpu",))
-    monkeypatch.setattr(moments, "_VIEW_ENTRIES", 0)  # the inner positions viewed
+    monkeypatch.setitem(moments._BLOCK_ENTRIES, "cpu", 1)  # the variances' blocks a row at a time
     rng = np.random.default_rng(0)
     G = 2 if layout == "diag" or cuda_ways else 1
     a = problem(rng, 1, 2, 2, G, 3, 3, (2, 2), form, c_form, "channel")
