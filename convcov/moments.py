@@ -42,8 +42,8 @@ LAYOUTS = ("full", "diag", "var")
 #: Bytes of im2col columns the NumPy convolution builds at once (a cache-friendly chunk).
 _CHUNK = 32 << 20
 #: Entries of gamma's window blocks the variances layout holds at once (a chunk of output
-#: rows), by device: on the host a chunk in cache (var on the 2-core host, 2^18 against
-#: 2^26: 16ch 32 -> 19 ms, 64ch 37 -> 22 ms); on CUDA few launches.
+#: rows, or of one row), by device: on the host a chunk in cache (var on the 2-core host,
+#: 2^18 against 2^26: 16ch 32 -> 19 ms, 64ch 37 -> 22 ms); on CUDA few launches.
 _BLOCK_ENTRIES = {"cpu": 1 << 18, "cuda": 1 << 26}
 #: Devices whose grouped full layout runs its second convolution as a 2-D convolution
 #: batched over the riding index (:func:`_carried`), not as cuDNN's grouped 3-D one:
@@ -777,14 +777,15 @@ def _per_channel(o, call, X2, w5):
 
 
 def _carried_variances(o, call, g, w):
-    """The diagonal of ``K gamma K^T``, ``(B, Co, Ho, Wo)``, without the rest: for a chunk
-    of output rows, the block of gamma that each position's windows read, ``(N, N)`` with
-    ``N = Cg kh kw`` (``Cg`` blocks of ``(kh kw, kh kw)`` for a channel-diagonal gamma),
-    and each output channel's quadratic form ``w^T block w`` as one matmul and a sum. The
-    blocks are copied from strided views of gamma, one for each rectangle of positions
-    whose windows have the same kernel offsets inside the image (:meth:`_Call.runs`: the
-    inner rectangle, the edges, the corners), into one buffer whose terms in the padding
-    are 0: all positions share one matmul."""
+    """The diagonal of ``K gamma K^T``, ``(B, Co, Ho, Wo)``, without the rest: for a
+    chunk of output positions (rows, or part of a row), the block of gamma that each
+    position's windows read, ``(N, N)`` with ``N = Cg kh kw`` (``Cg`` blocks of ``(kh
+    kw, kh kw)`` for a channel-diagonal gamma), and each output channel's quadratic form
+    ``w^T block w`` as one matmul and a sum. The blocks are copied from strided views of
+    gamma, one for each rectangle of positions whose windows have the same kernel
+    offsets inside the image (:meth:`_Call.runs`: the inner rectangle, the edges, the
+    corners), into one buffer whose terms in the padding are 0: all positions share one
+    matmul."""
     B, Ci, G, Co, Ho, Wo = call.B, call.Ci, call.G, call.Co, call.Ho, call.Wo
     Cg, Cpg, kh, kw = Ci // G, Co // G, call.kh, call.kw
     if call.gamma_form == "var":  # independent entries: the squared weights
@@ -798,17 +799,20 @@ def _carried_variances(o, call, g, w):
     # Where every position has a run, 0s only in the partial runs' blocks, not a memset of
     # all blocks (H100, CUDA graph replay: 16ch var 0.85 -> 0.77 ms, 64ch 1.82 -> 1.73 ms).
     covered = sum(r[1] - r[0] for r in rh) == Ho and sum(r[1] - r[0] for r in rw) == Wo
-    rows = max(1, _BLOCK_ENTRIES[o.device_type] // (math.prod(blk_shape) * Wo))
+    # a chunk: rows of positions, or part of one row where a row's blocks are too many
+    most, per_row = _BLOCK_ENTRIES[o.device_type], math.prod(blk_shape) * Wo
+    rows, cols = (max(1, most // per_row), Wo) if per_row <= most else (
+        1, max(1, most // math.prod(blk_shape)))
     A = o.empty((B, G, Cpg, Ho, Wo))
-    for a in range(0, Ho, rows):
-        b = min(Ho, a + rows)
-        blk = (o.empty if covered else o.zeros)((B, G, b - a, Wo, Cg, kh, kw) + (Cg,) * full
+    for a, c in itertools.product(range(0, Ho, rows), range(0, Wo, cols)):
+        b, e = min(Ho, a + rows), min(Wo, c + cols)
+        blk = (o.empty if covered else o.zeros)((B, G, b - a, e - c, Cg, kh, kw) + (Cg,) * full
                                                 + (kh, kw))
         for (i0, i1, hl, hh), (j0, j1, wl, wh) in itertools.product(rh, rw):
-            i0, i1 = max(i0, a), min(i1, b)
-            if i0 >= i1:
+            i0, i1, j0, j1 = max(i0, a), min(i1, b), max(j0, c), min(j1, e)
+            if i0 >= i1 or j0 >= j1:
                 continue
-            at = (slice(None), slice(None), slice(i0 - a, i1 - a), slice(j0, j1))
+            at = (slice(None), slice(None), slice(i0 - a, i1 - a), slice(j0 - c, j1 - c))
             if covered and (hh - hl) * (wh - wl) < kh * kw:
                 blk[at] = 0
             x0, y0 = i0 * sh + hl * dh - ph, j0 * sw + wl * dw - pw
@@ -822,7 +826,7 @@ def _carried_variances(o, call, g, w):
                 (sb, Cg * (sc + sum(sc1)), sh * (sx + sx1), sw * (sy + sy1), sc, dh * sx,
                  dw * sy, *sc1, dh * sx1, dw * sy1))
         q = ((blk.reshape((B, G, -1) + blk_shape) @ wr) * wr).sum(-2 if full else (-3, -2))
-        A[:, :, :, a:b] = o.perm(q, (0, 1, 3, 2)).reshape(B, G, Cpg, b - a, Wo)
+        A[:, :, :, a:b, c:e] = o.perm(q, (0, 1, 3, 2)).reshape(B, G, Cpg, b - a, e - c)
     return A.reshape(B, Co, Ho, Wo)
 
 
