@@ -41,9 +41,11 @@ from ._errors import BackendError, ShapeError
 LAYOUTS = ("full", "diag", "var")
 #: Bytes of im2col columns the NumPy convolution builds at once (a cache-friendly chunk).
 _CHUNK = 32 << 20
-#: Entries of gamma's window blocks the variances layout holds at once (a chunk of output
-#: rows, or of one row), by device: on the host a chunk in cache (var on the 2-core host,
-#: 2^18 against 2^26: 16ch 32 -> 19 ms, 64ch 37 -> 22 ms); on CUDA few launches.
+#: Entries a chunk holds, by device: the variances layout's window blocks of gamma (a
+#: chunk of output rows, or of one row), the diagonal layout's blocks of output channels
+#: with their products by the weights (:func:`_per_channel`). On the host a chunk in cache
+#: (var on the 2-core host, 2^18 against 2^26: 16ch 32 -> 19 ms, 64ch 37 -> 22 ms); on
+#: CUDA few launches.
 _BLOCK_ENTRIES = {"cpu": 1 << 18, "cuda": 1 << 26}
 #: Devices whose grouped full layout runs its second convolution as a 2-D convolution
 #: batched over the riding index (:func:`_carried`), not as cuDNN's grouped 3-D one:
