@@ -284,10 +284,16 @@ class _NumpyOps:
         """``x``'s strides in elements."""
         return tuple(s // x.itemsize for s in x.strides)
 
-    def strided(self, x, shape, strides):
-        """A read-only view of ``x``'s memory from its first element (strides in elements)."""
+    def strided(self, x, start, shape, strides):
+        """A read-only view of ``x``'s memory from its element at index ``start`` (strides
+        in elements)."""
+        x = x[tuple(slice(i, None) for i in start)]
         return np.lib.stride_tricks.as_strided(x, shape, [s * x.itemsize for s in strides],
                                                writeable=False)
+
+    def sub(self, x, start, shape):
+        """``x[start : start + shape]``, a writable view."""
+        return x[tuple(slice(i, i + n) for i, n in zip(start, shape))]
 
     def grad(self, *xs) -> bool:
         return False
@@ -409,8 +415,12 @@ class _TorchOps(_NumpyOps):
     def strides(self, x):
         return x.stride()
 
-    def strided(self, x, shape, strides):
-        return x.as_strided(shape, strides)
+    def strided(self, x, start, shape, strides):  # one op, not a slice an axis
+        return x.as_strided(shape, strides, x.storage_offset() + sum(
+            i * s for i, s in zip(start, x.stride())))
+
+    def sub(self, x, start, shape):
+        return self.strided(x, start, shape, x.stride())
 
     def grad(self, *xs) -> bool:
         return self.torch.is_grad_enabled() and any(
@@ -821,6 +831,7 @@ def _carried_variances(o, call, g, w):
     rows, cols = (max(1, most // per_row), Wo) if per_row <= most else (
         1, max(1, most // math.prod(blk_shape)))
     A = o.empty((B, G, Cpg, Ho, Wo))
+    sb, sc, sx, sy, *sc1, sx1, sy1 = o.strides(g)  # sc1: the second channel axis (full)
     for a, c in itertools.product(range(0, Ho, rows), range(0, Wo, cols)):
         b, e = min(Ho, a + rows), min(Wo, c + cols)
         blk = (o.empty if covered else o.zeros)((B, G, b - a, e - c, Cg, kh, kw) + (Cg,) * full
@@ -829,17 +840,14 @@ def _carried_variances(o, call, g, w):
             i0, i1, j0, j1 = max(i0, a), min(i1, b), max(j0, c), min(j1, e)
             if i0 >= i1 or j0 >= j1:
                 continue
-            at = (slice(None), slice(None), slice(i0 - a, i1 - a), slice(j0 - c, j1 - c))
-            if covered and (hh - hl) * (wh - wl) < kh * kw:
-                blk[at] = 0
+            at, ker = (0, 0, i0 - a, j0 - c), (hh - hl, wh - wl)
+            if covered and ker[0] * ker[1] < kh * kw:
+                o.sub(blk, at + (0,) * (blk.ndim - 4), (B, G, i1 - i0, j1 - j0)
+                      + blk.shape[4:])[...] = 0
             x0, y0 = i0 * sh + hl * dh - ph, j0 * sw + wl * dw - pw
-            v = g[(slice(None), slice(None), slice(x0, None), slice(y0, None))
-                  + (slice(None),) * full + (slice(x0, None), slice(y0, None))]
-            sb, sc, sx, sy, *sc1, sx1, sy1 = o.strides(v)  # sc1: the second channel axis
-            u, t = (slice(hl, hh), slice(wl, wh)), (slice(None),) * (1 + full)
-            ker = (hh - hl, wh - wl)
-            blk[at + t[:1] + u + t[1:] + u] = o.strided(
-                v, (B, G, i1 - i0, j1 - j0, Cg, *ker) + (Cg,) * full + ker,
+            shape = (B, G, i1 - i0, j1 - j0, Cg, *ker) + (Cg,) * full + ker
+            o.sub(blk, at + (0, hl, wl) + (0,) * full + (hl, wl), shape)[...] = o.strided(
+                g, (0, 0, x0, y0) + (0,) * full + (x0, y0), shape,
                 (sb, Cg * (sc + sum(sc1)), sh * (sx + sx1), sw * (sy + sy1), sc, dh * sx,
                  dw * sy, *sc1, dh * sx1, dw * sy1))
         q = ((blk.reshape((B, G, -1) + blk_shape) @ wr) * wr).sum(-2 if full else (-3, -2))
