@@ -770,7 +770,7 @@ def _per_channel(o, call, X2, w5):
     ``U[c0, o, b, x, y, q] = sum_cl w[c0, cl, o] X2[b, c0, cl, x, y, q]``; then the window
     sums ``D[b, c0, i, j, q] += U[c0, o, b, X_o(i), Y_o(j), q]``, one strided add per
     offset: against a convolution per output channel (cuDNN's, with one output channel),
-    H100 diag 16ch 65.9 -> 38.2 ms, 64ch 32.1 -> 18.5 ms, strided 8.79 -> 7.60 ms. On the
+    H100 diag 16ch 65.9 -> 38.3 ms, 64ch 32.1 -> 18.6 ms, strided 8.79 -> 7.59 ms. On the
     host (``WINDOW_SUMS_ON``) the window sums of :func:`convcov._host_kernels.window_sums`
     instead, without autograd."""
     B, (Cg, H, W, Q) = X2.shape[0], X2.shape[-4:]
@@ -782,7 +782,7 @@ def _per_channel(o, call, X2, w5):
         _host_kernels.window_sums(o.host(X7), o.host(o.contiguous(w5[..., 0])), o.host(D),
                                   call.stride, call.padding, call.dilation)
         return D
-    if Cg == 1:  # a depthwise convolution, fast as it is (H100 depthwise 1.09 -> 0.63 ms)
+    if Cg == 1:  # a depthwise convolution, fast as it is (H100 depthwise 1.09 -> 0.65 ms)
         return o.conv(X2.reshape(B, call.Co, H, W, Q), w5, call.Co, call.last)
     (Gp, J), kh, kw, Ho, Wo = X7.shape[1:3], call.kh, call.kw, call.Ho, call.Wo
     wk = o.perm(w5.reshape(Gp, J, Cg, kh * kw), (0, 1, 3, 2))  # (G', J, K, Cg)
