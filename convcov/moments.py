@@ -139,6 +139,17 @@ class _Call:
             if inside:
                 yield a, b, inside[0], inside[-1] + 1
 
+    def offsets(self):
+        """Each kernel offset ``(u, v)`` that reads inside the image at some output
+        position: ``(u, v, oi, oj, x, y)``, the output rows and columns (slices) whose input
+        under it is inside, and the input rows and columns (slices) they read."""
+        rh, rw = self.ranges()
+        for u, v in itertools.product(range(self.kh), range(self.kw)):
+            (lh, hh), (lw, hw) = rh[u], rw[v]
+            if lh < hh and lw < hw:
+                yield (u, v, slice(lh, hh), slice(lw, hw), self.window(0, u, lh, hh),
+                       self.window(1, v, lw, hw))
+
     def window(self, axis, i, lo, hi):
         """The input slice that output positions ``[lo, hi)`` read under offset ``i``."""
         s, p, d = self.stride[axis], self.padding[axis], self.dilation[axis]
@@ -787,19 +798,16 @@ def _per_channel(o, call, X2, w5):
     (Gp, J), kh, kw, Ho, Wo = X7.shape[1:3], call.kh, call.kw, call.Ho, call.Wo
     wk = o.perm(w5.reshape(Gp, J, Cg, kh * kw), (0, 1, 3, 2))  # (G', J, K, Cg)
     D = o.zeros((B, Gp, J, Ho, Wo, Q))
-    rh, rw = call.ranges()
+    offsets = list(call.offsets())
     # a chunk's blocks and U together hold at most _BLOCK_ENTRIES entries (or one channel's)
     step = max(1, _BLOCK_ENTRIES[o.device_type] // (B * H * W * Q * (Cg + kh * kw)))
     for g, j0 in itertools.product(range(Gp), range(0, J, step)):
         j1 = min(J, j0 + step)
         Xc = o.contiguous(o.perm(X7[:, g, j0:j1], (1, 2, 0, 3, 4, 5)))  # (j, Cg, B, H, W, Q)
         U = (wk[g, j0:j1] @ Xc.reshape(j1 - j0, Cg, -1)).reshape(j1 - j0, kh, kw, B, H, W, Q)
-        for u, v in itertools.product(range(kh), range(kw)):
-            (lh, hh), (lw, hw) = rh[u], rw[v]
-            if lh < hh and lw < hw:
-                x, y = call.window(0, u, lh, hh), call.window(1, v, lw, hw)
-                part = D[:, g, j0:j1, lh:hh, lw:hw]  # added in place (a view, not setitem)
-                part += o.perm(U[:, u, v, :, x, y], (1, 0, 2, 3, 4))
+        for u, v, oi, oj, x, y in offsets:
+            part = D[:, g, j0:j1, oi, oj]  # added in place (a view, not setitem)
+            part += o.perm(U[:, u, v, :, x, y], (1, 0, 2, 3, 4))
     return D.reshape(B, call.Co, Ho, Wo, Q)
 
 
@@ -884,15 +892,10 @@ def _weight_noise(o, call, A, mu_a, g_a, c, backend):
         M = M + gd
     N = o.zeros((B, G, Co // G, Ho, Wo, Ho, Wo))
     cg = c.reshape(G, Co // G, Cg, kh, kw)
-    rh, rw = call.ranges()
-    for i, j in itertools.product(range(kh), range(kw)):
-        (lh, hh), (lw, hw) = rh[i], rw[j]
-        if lh >= hh or lw >= hw:
-            continue
-        x, y = call.window(0, i, lh, hh), call.window(1, j, lw, hw)
-        sub = M[:, :, x, y, x, y].reshape(B, G, Cg, hh - lh, hw - lw, hh - lh, hw - lw)
-        N[:, :, :, lh:hh, lw:hw, lh:hh, lw:hw] += o.einsum("gjc,bgcpqrs->bgjpqrs",
-                                                           cg[..., i, j], sub)
+    for u, v, oi, oj, x, y in call.offsets():
+        ni, nj = oi.stop - oi.start, oj.stop - oj.start
+        sub = M[:, :, x, y, x, y].reshape(B, G, Cg, ni, nj, ni, nj)
+        N[:, :, :, oi, oj, oi, oj] += o.einsum("gjc,bgcpqrs->bgjpqrs", cg[..., u, v], sub)
     _add_blocks(o, call, A, N.reshape(B, Co, Ho, Wo, Ho, Wo))
 
 

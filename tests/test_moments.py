@@ -299,10 +299,10 @@ def test_gamma_out_is_exactly_symmetric(kind, layout, form):
 @pytest.mark.parametrize("geometry", GEOMETRIES)
 @pytest.mark.parametrize("form", FORMS)
 def test_cuda_arrays_match_the_definition(kind, geometry, form):
-    """On a CUDA device (its own ways: a grouped full layout's
-    second convolution not grouped), torch tensors, CuPy arrays and numba device arrays,
-    float64 and float32, every layout and c form, with and without out (a permuted view
-    where the kind has one)."""
+    """On a CUDA device (its own ways: a grouped full layout's second convolution not
+    grouped), torch tensors, CuPy arrays and numba device arrays, float64 and float32,
+    every layout and c form, with and without out (a permuted view where the kind has
+    one)."""
     if kind not in kinds_for("cuda"):
         pytest.skip(f"no {kind} here")
     B, Ci, Co, G, H, W, k, s, p, d = GEOMETRIES[geometry]
@@ -557,7 +557,7 @@ def test_gradcheck_in_every_input(form, layout, c_form, cuda_ways, monkeypatch):
     """In float64, with CUDA's ways (see the property test) and the host's."""
     monkeypatch.setattr(moments, "UNGROUPED_ON", ("cpu",) if cuda_ways else ())
     monkeypatch.setattr(moments, "DENSE_DEPTHWISE_ON", () if cuda_ways else ("cpu",))
-    monkeypatch.setitem(moments._BLOCK_ENTRIES, "cpu", 1)  # the variances' blocks a row at a time
+    monkeypatch.setitem(moments._BLOCK_ENTRIES, "cpu", 1)  # blocks a position at a time
     rng = np.random.default_rng(0)
     G = 2 if layout == "diag" or cuda_ways else 1
     a = problem(rng, 1, 2, 2, G, 3, 3, (2, 2), form, c_form, "channel")
