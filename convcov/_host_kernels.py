@@ -63,7 +63,7 @@ def symmetrize(A, D) -> None:
     C-contiguous, one dtype; ``D`` is ``A`` or apart from it): conv2d_moments' exact
     symmetry on the host. Apart, A is copied into D and D symmetrised in place: writing
     the mirror tiles into memory not in the cache costs more than the copy."""
-    if D.ctypes.data != A.ctypes.data:
+    if not np.may_share_memory(D, A):  # (apart: no byte in common; else D is A)
         np.copyto(D, A)
     _call(_sym_parallel, _sym_serial, D)
 

@@ -508,25 +508,36 @@ def _q_adder(dec):
                 d, g = _offset(q, ym[y0] * qy + r * qs), ga + y0 * gy0 + r * gs
                 a0, a1 = _offset(mr, r * ms), _offset(mr, r * ms + mc)
                 a2, a3 = _offset(mr, r * ms + 2 * mc), _offset(mr, r * ms + 3 * mc)
-                if four and with_gamma:
+                if not four:  # one channel: one loop (it reads few enough arrays)
+                    if with_gamma:
+                        for e in range(W):
+                            v = _like(dec(gp[g + e * gy]), d) + m0 * a0[e]
+                            d[e] = v if first else d[e] + v
+                    else:
+                        for e in range(W):
+                            v = m0 * a0[e]
+                            d[e] = v if first else d[e] + v
+                    continue
+                # Four channels: mu's terms, then gamma's. A loop that reads at most four
+                # arrays besides d is one LLVM vectorises (its overlap checks stay under
+                # LLVM's limit): r20-down 1.25x, r20-short 1.2x on the host.
+                if first:
                     for e in range(W):
-                        k = g + e * gy
-                        v = (((_like(dec(gp[k]), d) + _like(dec(gp[k + gc]), d))
-                              + (_like(dec(gp[k + 2 * gc]), d) + _like(dec(gp[k + 3 * gc]), d)))
-                             + ((m0 * a0[e] + m1 * a1[e]) + (m2 * a2[e] + m3 * a3[e])))
-                        d[e] = v if first else d[e] + v
-                elif four:
-                    for e in range(W):
-                        v = (m0 * a0[e] + m1 * a1[e]) + (m2 * a2[e] + m3 * a3[e])
-                        d[e] = v if first else d[e] + v
-                elif with_gamma:
-                    for e in range(W):
-                        v = _like(dec(gp[g + e * gy]), d) + m0 * a0[e]
-                        d[e] = v if first else d[e] + v
+                        d[e] = (m0 * a0[e] + m1 * a1[e]) + (m2 * a2[e] + m3 * a3[e])
                 else:
                     for e in range(W):
-                        v = m0 * a0[e]
-                        d[e] = v if first else d[e] + v
+                        d[e] += (m0 * a0[e] + m1 * a1[e]) + (m2 * a2[e] + m3 * a3[e])
+                if with_gamma and gy == 1:  # contiguous rows: this loop is vectorised
+                    g0, g1 = _offset(gp, g), _offset(gp, g + gc)
+                    g2, g3 = _offset(gp, g + 2 * gc), _offset(gp, g + 3 * gc)
+                    for e in range(W):
+                        d[e] += ((_like(dec(g0[e]), d) + _like(dec(g1[e]), d))
+                                 + (_like(dec(g2[e]), d) + _like(dec(g3[e]), d)))
+                elif with_gamma:
+                    for e in range(W):
+                        k = g + e * gy
+                        d[e] += ((_like(dec(gp[k]), d) + _like(dec(gp[k + gc]), d))
+                                 + (_like(dec(gp[k + 2 * gc]), d) + _like(dec(gp[k + 3 * gc]), d)))
 
     return njit(**_inner)(add_q)
 
