@@ -168,6 +168,46 @@ def _expect(name, got, expected, what):
         raise ShapeError(f"{name}: expected shape {what} = {tuple(expected)}; got {tuple(got)}")
 
 
+def _check_arrays(arrays):
+    """The (name, ArrayInfo) pairs: of one kind on one device, a CPU or a CUDA one, each
+    of a float dtype."""
+    _check_kinds(arrays)
+    for n, a in arrays:
+        _check_dtype(n, a)
+    device_type = arrays[0][1].device[0]  # (one for all, as _check_kinds made sure)
+    if device_type not in ("cpu", "cuda"):
+        raise TypeError(f"mu: arrays on {device_type!r} devices are not supported "
+                        "(only CPU and CUDA)")
+
+
+def _input(mu_i, G, kh, kw, sh, sw, ph, pw, dh, dw, weight=None, covariances=()):
+    """``(B, Ci, H, W, Ho, Wo, sh, sw, dh, dw)``: the input's sizes from mu's shape, checked
+    against groups, a weight shape ``(Co, Ci // G)`` (Co only as far as groups go) and the
+    conv parameters (:func:`_grid`); each ``(name, ArrayInfo or None)`` of ``covariances``
+    must be the input's full or diagonal covariance."""
+    if len(mu_i.shape) != 4:
+        raise ShapeError(f"mu: expected 4 dims (B, Ci, H, W); got shape {mu_i.shape}")
+    B, Ci, H, W = mu_i.shape
+    if Ci % G:
+        raise ShapeError(f"groups: Ci = {Ci} (mu.shape[1]) is not divisible by groups = {G}")
+    if weight is not None and (weight[1] * G != Ci or weight[0] % G):
+        raise ShapeError(f"kernel_size: weight shape expected (Co, Ci // groups, kh, kw) "
+                         f"with Ci // groups = {Ci // G} and Co divisible by {G}; "
+                         f"got {(*weight, kh, kw)}")
+    Ho, Wo, sh, sw, dh, dw = _grid(H, W, kh, kw, sh, sw, ph, pw, dh, dw)
+    for name, g in covariances:
+        if g is None:
+            pass
+        elif len(g.shape) == 7:
+            _expect(name, g.shape, (B, Ci, H, W, Ci, H, W), "(B, Ci, H, W, Ci, H, W)")
+        elif len(g.shape) == 6:
+            _expect(name, g.shape, (B, Ci, H, W, H, W), "(B, Ci, H, W, H, W)")
+        else:
+            raise ShapeError(f"{name}: expected 7 dims (B, Ci, H, W, Ci, H, W) or 6 dims "
+                             f"(B, Ci, H, W, H, W); got shape {g.shape}")
+    return B, Ci, H, W, Ho, Wo, sh, sw, dh, dw
+
+
 _param_cache: dict = {}  # conv parameters as given (plain ints / tuples) -> parsed
 
 
@@ -308,21 +348,12 @@ def _check(out_i, gamma_i, mu_i, c_i, kernel_size, stride, padding, dilation, gr
     touch, None for an absent or empty array."""
     G, (kh, kw), weight, (sh, sw), (ph, pw), (dh, dw) = conv_params(
         kernel_size, stride, padding, dilation, groups)
-    arrays = [("out", out_i), ("gamma", gamma_i), ("mu", mu_i), ("c", c_i)]
-    arrays = [(n, a) for n, a in arrays if a is not None]
-    _check_kinds(arrays)
-    for n, a in arrays:
-        _check_dtype(n, a)
-    device_type = mu_i.device[0]
-    if device_type not in ("cpu", "cuda"):
-        raise TypeError(f"mu: arrays on {device_type!r} devices are not supported "
-                        "(only CPU and CUDA)")
-
+    arrays = [(n, a) for n, a in (("out", out_i), ("gamma", gamma_i), ("mu", mu_i), ("c", c_i))
+              if a is not None]
+    _check_arrays(arrays)
     # Shapes, in the order the data flows: mu defines B, Ci, H, W; out defines Co.
-    if len(mu_i.shape) != 4:
-        raise ShapeError(f"mu: expected 4 dims (B, Ci, H, W); got shape {mu_i.shape}")
-    B, Ci, H, W = mu_i.shape
-    Ho, Wo, sh, sw, dh, dw = _grid(H, W, kh, kw, sh, sw, ph, pw, dh, dw)
+    B, Ci, H, W, Ho, Wo, sh, sw, dh, dw = _input(mu_i, G, kh, kw, sh, sw, ph, pw, dh, dw,
+                                                 covariances=[("gamma", gamma_i)])
     if len(out_i.shape) == 7:
         Co = out_i.shape[1]
         _expect("out", out_i.shape, (B, Co, Ho, Wo, Co, Ho, Wo), "(B, Co, Ho, Wo, Co, Ho, Wo)")
@@ -332,21 +363,11 @@ def _check(out_i, gamma_i, mu_i, c_i, kernel_size, stride, padding, dilation, gr
     else:
         raise ShapeError(f"out: expected 7 dims (B, Co, Ho, Wo, Co, Ho, Wo) or 6 dims "
                          f"(B, Co, Ho, Wo, Ho, Wo); got shape {out_i.shape}")
-    if Ci % G:
-        raise ShapeError(f"groups: Ci = {Ci} (mu.shape[1]) is not divisible by groups = {G}")
     if Co % G:
         raise ShapeError(f"groups: Co = {Co} (out.shape[1]) is not divisible by groups = {G}")
     if weight is not None and weight != (Co, Ci // G):
         raise ShapeError(f"kernel_size: weight shape expected (Co, Ci // groups, kh, kw) = "
                          f"{(Co, Ci // G, kh, kw)}; got {(*weight, kh, kw)}")
-    if gamma_i is not None:
-        if len(gamma_i.shape) == 7:
-            _expect("gamma", gamma_i.shape, (B, Ci, H, W, Ci, H, W), "(B, Ci, H, W, Ci, H, W)")
-        elif len(gamma_i.shape) == 6:
-            _expect("gamma", gamma_i.shape, (B, Ci, H, W, H, W), "(B, Ci, H, W, H, W)")
-        else:
-            raise ShapeError(f"gamma: expected 7 dims (B, Ci, H, W, Ci, H, W), 6 dims "
-                             f"(B, Ci, H, W, H, W) or None; got shape {gamma_i.shape}")
     if c_i is not None and c_i.shape not in ((), (Co,)):
         raise ShapeError(f"c: expected a number, a 0-d array or shape (Co,) = ({Co},); "
                          f"got shape {c_i.shape}")
@@ -761,26 +782,13 @@ def check_patch_moment(gamma, mu, kernel_size, stride, padding, dilation, groups
     mu_i = _arrays.info(mu, "mu")
     G, (kh, kw), weight, (sh, sw), (ph, pw), (dh, dw) = conv_params(
         kernel_size, stride, padding, dilation, groups)
-    if len(mu_i.shape) != 4:
-        raise ShapeError(f"mu: expected 4 dims (B, Ci, H, W); got shape {mu_i.shape}")
-    B, Ci, H, W = mu_i.shape
-    if weight is not None and (weight[1] * G != Ci or weight[0] % G):
-        raise ShapeError(f"kernel_size: weight shape expected (Co, Ci // groups, kh, kw) "
-                         f"with Ci // groups = {Ci // G} and Co divisible by {G}; "
-                         f"got {(*weight, kh, kw)}")
-    Ho, Wo, sh, sw, dh, dw = _grid(H, W, kh, kw, sh, sw, ph, pw, dh, dw)
-    infos = [mu_i] + ([] if gamma is None else [_arrays.info(gamma, "gamma")])
-    _check_kinds(list(zip(("mu", "gamma"), infos)))
-    _check_streams(list(zip(("mu", "gamma"), infos)))
-    for n, a in zip(("mu", "gamma"), infos):
-        _check_dtype(n, a)
-    if Ci % G:
-        raise ShapeError(f"groups: Ci = {Ci} (mu.shape[1]) is not divisible by groups = {G}")
-    dtypes = {a.dtype for a in infos}
-    # Select before allocating, so a bad backend name costs nothing.
-    device = mu_i.device[0]
-    if device in ("cpu", "cuda"):
-        _registry.select(backend, device, frozenset(dtypes))
+    arrays = [("mu", mu_i)] + ([] if gamma is None else [("gamma", _arrays.info(gamma, "gamma"))])
+    _check_arrays(arrays)
+    _check_streams(arrays)
+    B, Ci, H, W, Ho, Wo, sh, sw, dh, dw = _input(mu_i, G, kh, kw, sh, sw, ph, pw, dh, dw,
+                                                 weight, arrays[1:])
+    dtypes = frozenset(a.dtype for _, a in arrays)
+    _registry.select(backend, mu_i.device[0], dtypes)  # before allocating: a bad name costs nothing
     return ((B, G, Ho, Wo, Ho, Wo), "float64" if "float64" in dtypes else "float32",
             ((kh, kw), (sh, sw), (ph, pw), (dh, dw), G))
 
@@ -936,35 +944,13 @@ def patch_moment_vjp(grad_S, mu, kernel_size, *, grad_gamma=None, grad_mu=None, 
     if grad_mu is not None:
         arrays.append(("grad_mu", _arrays.info(grad_mu, "grad_mu")))
     infos = dict(arrays)
-    _check_kinds(arrays)
+    _check_arrays(arrays)
     _check_streams(arrays)
-    for n, a in arrays:
-        _check_dtype(n, a)
     mu_i, S_i = infos["mu"], infos["grad_S"]
-    device_type = mu_i.device[0]
-    if device_type not in ("cpu", "cuda"):
-        raise TypeError(f"mu: arrays on {device_type!r} devices are not supported "
-                        "(only CPU and CUDA)")
-    if len(mu_i.shape) != 4:
-        raise ShapeError(f"mu: expected 4 dims (B, Ci, H, W); got shape {mu_i.shape}")
-    B, Ci, H, W = mu_i.shape
-    if Ci % G:
-        raise ShapeError(f"groups: Ci = {Ci} (mu.shape[1]) is not divisible by groups = {G}")
-    if weight is not None and (weight[1] * G != Ci or weight[0] % G):
-        raise ShapeError(f"kernel_size: weight shape expected (Co, Ci // groups, kh, kw) "
-                         f"with Ci // groups = {Ci // G} and Co divisible by {G}; "
-                         f"got {(*weight, kh, kw)}")
-    Ho, Wo, sh, sw, dh, dw = _grid(H, W, kh, kw, sh, sw, ph, pw, dh, dw)
-    _expect("grad_S", S_i.shape, (B, G, Ho, Wo, Ho, Wo), "(B, G, Ho, Wo, Ho, Wo)")
     gg_i, gm_i = infos.get("grad_gamma"), infos.get("grad_mu")
-    if gg_i is not None:
-        if len(gg_i.shape) == 7:
-            _expect("grad_gamma", gg_i.shape, (B, Ci, H, W, Ci, H, W), "(B, Ci, H, W, Ci, H, W)")
-        elif len(gg_i.shape) == 6:
-            _expect("grad_gamma", gg_i.shape, (B, Ci, H, W, H, W), "(B, Ci, H, W, H, W)")
-        else:
-            raise ShapeError(f"grad_gamma: expected 7 dims (B, Ci, H, W, Ci, H, W) or 6 dims "
-                             f"(B, Ci, H, W, H, W); got shape {gg_i.shape}")
+    B, Ci, H, W, Ho, Wo, sh, sw, dh, dw = _input(mu_i, G, kh, kw, sh, sw, ph, pw, dh, dw,
+                                                 weight, [("grad_gamma", gg_i)])
+    _expect("grad_S", S_i.shape, (B, G, Ho, Wo, Ho, Wo), "(B, G, Ho, Wo, Ho, Wo)")
     if gm_i is not None:
         _expect("grad_mu", gm_i.shape, (B, Ci, H, W), "(B, Ci, H, W)")
     # The gradients are written: writable, and sharing memory with nothing else here.
@@ -980,6 +966,7 @@ def patch_moment_vjp(grad_S, mu, kernel_size, *, grad_gamma=None, grad_mu=None, 
             raise ValueError(f"{n}: shares memory with {m}; pass separate arrays")
     dtypes = frozenset(a.dtype for _, a in arrays)
     acc = "float64" if "float64" in dtypes else "float32"
+    device_type = mu_i.device[0]
     b = _select_vjp(backend, device_type, dtypes)
     host = device_type == "cpu"
     views = {n: _arrays.host_view(x, infos[n].dtype) if host else x
