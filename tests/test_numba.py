@@ -421,7 +421,6 @@ def test_rows_of_S_kept_before_the_update(monkeypatch, rows, full):
     from convcov import _frontend
 
     monkeypatch.setattr(_frontend, "_bound", {})
-    monkeypatch.setattr(nbb, "PREFETCH_FROM_BYTES", 0)
     monkeypatch.setattr(nbb, "PREFETCH_BYTES", 64)
     case = dict(B=1, Ci=4, Co=6, H=8, W=5, k=(2, 3), padding=(0, 1), groups=2, full=full)
     out, g, mu, c, k, kw = _problem(np.random.default_rng(21), dtype=np.float64, **case)
@@ -435,15 +434,14 @@ def test_rows_of_S_kept_before_the_update(monkeypatch, rows, full):
 @pytest.mark.parametrize("stride", [(2, 1), (1, 2), (4, 3)], ids=["rows", "columns", "gaps"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
 def test_segments_and_prefetching(monkeypatch, dtype, stride):
-    """Small problems run as one segment of i0 a (b, g) pair, without prefetching out;
-    force both: a walk split into segments (rows x0 that two segments read are formed in
-    both), prefetches of out's runs, on into the next block, and of gamma's rows a row y0
-    ahead. (Five channels a group: a four-channel pass, then one.)"""
+    """Small problems run as one segment of i0 a (b, g) pair; force a walk split into
+    segments (rows x0 that two segments read are formed in both), prefetches of out's
+    runs, on into the next block, and of gamma's rows a row y0 ahead. (Five channels a
+    group: a four-channel pass, then one.)"""
     from convcov import _frontend
 
     monkeypatch.setattr(_frontend, "_bound", {})  # launchers bound afresh
     monkeypatch.setattr(nbb, "_threads", lambda: 23)  # a segment per one or two rows i0
-    monkeypatch.setattr(nbb, "PREFETCH_FROM_BYTES", 0)
     monkeypatch.setattr(nbb, "PREFETCH_BYTES", 64)
     monkeypatch.setattr(nbb, "GAMMA_PF_SPAN", 1 << 40)
     rng = np.random.default_rng(15)

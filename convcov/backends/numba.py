@@ -1203,8 +1203,6 @@ GAMMA_PF_SPAN = 1024
 NEXT_ROW_BYTES = 32 << 10
 #: Software prefetch of out's runs (full layout), in bytes ahead: the ``cpu`` workload 1.15x
 PREFETCH_BYTES = 8 << 10
-#: Below this many bytes of channel diagonals the data sit in cache: no prefetching.
-PREFETCH_FROM_BYTES = 8 << 20
 
 #: S's rows kept, in bytes, before each output channel's rows of out are updated in turn
 #: (one run a channel): layers suite 1.08x, grp8 1.20x, mb-pw 1.19x on the Intel host.
@@ -1260,10 +1258,10 @@ def _params(p):
     seglen = -(-p.Ho // nseg)
     nseg = -(-p.Ho // seglen)
     # out's runs prefetched PREFETCH_BYTES ahead where its blocks are runs far apart (the
-    # full layout) and large enough not to sit in cache
+    # full layout)
     runs = dims[0][0] * dims[1][0]
     pf = 0
-    if runs > 1 and sum(p.diagonal_bytes()) >= PREFETCH_FROM_BYTES:
+    if runs > 1:
         pf = min(runs, -(-PREFETCH_BYTES // (dims[2][0] * _ITEMSIZE[o.dtype])))
     # gamma's rows one row y0 ahead where those of one y0 span at most GAMMA_PF_SPAN bytes
     span = (p.H // p.sh * p.W * _ITEMSIZE[gi.dtype]) if gi is not None else 1 << 60
@@ -1273,8 +1271,7 @@ def _params(p):
     # (NEXT_ROW_BYTES). (pf_x: gamma's item size; 0: none)
     pf_x = 0
     if gi is not None and gi.strides[-1] == 1 and p.sh > 1 and (
-            p.diagonal_bytes()[0] >= PREFETCH_FROM_BYTES and p.Ci // p.G * -(-p.H // p.sh)
-            * p.W * p.W * _ITEMSIZE[gi.dtype] <= NEXT_ROW_BYTES):
+            p.Ci // p.G * -(-p.H // p.sh) * p.W * p.W * _ITEMSIZE[gi.dtype] <= NEXT_ROW_BYTES):
         pf_x = _ITEMSIZE[gi.dtype]
     # A result written apart from out (accumulate_apart) is streamed where it is contiguous
     # runs of float32 or float64 too large for the cache.
