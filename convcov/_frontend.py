@@ -197,8 +197,8 @@ def _input(mu_i, G, kh, kw, sh, sw, ph, pw, dh, dw, weight=None, covariances=())
     Ho, Wo, sh, sw, dh, dw = _grid(H, W, kh, kw, sh, sw, ph, pw, dh, dw)
     for name, g in covariances:
         if g is None:
-            pass
-        elif len(g.shape) == 7:
+            continue
+        if len(g.shape) == 7:
             _expect(name, g.shape, (B, Ci, H, W, Ci, H, W), "(B, Ci, H, W, Ci, H, W)")
         elif len(g.shape) == 6:
             _expect(name, g.shape, (B, Ci, H, W, H, W), "(B, Ci, H, W, H, W)")

@@ -520,7 +520,7 @@ def _q_adder(dec):
                     continue
                 # Four channels: mu's terms, then gamma's. A loop that reads at most four
                 # arrays besides d is one LLVM vectorises (its overlap checks stay under
-                # LLVM's limit): r20-down 1.25x, r20-short 1.2x on the host.
+                # LLVM's limit): r20-down 1.46x, r20-short 1.21x on the host.
                 if first:
                     for e in range(W):
                         d[e] = (m0 * a0[e] + m1 * a1[e]) + (m2 * a2[e] + m3 * a3[e])
