@@ -324,6 +324,148 @@ def test_cuda_arrays_match_the_definition(kind, geometry, form):
             np.testing.assert_allclose(to_f64(go), want, rtol=tol, atol=tol)
 
 
+_ROWS_PRELUDE = r"""
+#include <algorithm>
+#include <cmath>
+using std::min;
+struct float4 { float x, y, z, w; };
+static float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __restrict__
+struct dim3_ { unsigned x, y, z; };
+static dim3_ threadIdx, blockIdx, gridDim;
+template <class T> static T __ldg(const T* p) { return *p; }
+"""
+
+_ROWS_CASES = [  # (B, Ci, Co, G, H, W, N, k, stride, padding, dilation)
+    (2, 4, 6, 1, 7, 9, 37, (3, 3), (1, 1), (1, 1), (1, 1)),
+    (1, 6, 4, 2, 8, 5, 130, (3, 2), (2, 1), (1, 0), (1, 2)),
+    (1, 3, 9, 3, 6, 6, 40, (3, 3), (1, 2), (2, 1), (2, 1)),
+    (1, 8, 70, 1, 5, 11, 129, (1, 1), (1, 1), (0, 0), (1, 1)),  # two channel tiles
+    (1, 2, 20, 2, 9, 9, 5, (5, 5), (2, 2), (0, 0), (1, 1)),
+    (2, 4, 12, 2, 6, 8, 576, (3, 3), (1, 1), (1, 1), (1, 1)),  # 8 wide: 16-byte stores
+]
+
+
+def test_rows_kernel_matches_literal_loops(tmp_path):
+    """The CUDA rows kernel of the full layout (convcov.backends._cupy_rows), its source
+    built on the host as C++, every block and thread in turn, with the backend's tiles and
+    grid: the convolution of X's rows by literal loops, with stride, padding, dilation,
+    groups, ragged tiles of n, columns and channels, stored as it is and transposed; and
+    again on a grid of one block in y and z, whose blocks loop over the rest."""
+    import ctypes
+    import shutil
+    import subprocess
+
+    from convcov.backends import _cupy_rows as cupy_rows
+
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no C++ compiler for the host build of the CUDA source")
+    exprs = [cupy_rows.name(cupy_rows.tiles(Co // G), k, s, d)
+             for _, _, Co, G, _, _, _, k, s, _, d in _ROWS_CASES]
+    drivers = "".join(
+        f'extern "C" void run_{i}(const float* X, const float* Wr, float* Y, const int* a, '
+        f"long long N, const unsigned* g) {{ gridDim.x = g[0]; gridDim.y = g[1]; "
+        f"gridDim.z = g[2]; for (unsigned z = 0; z < g[2]; ++z) "
+        f"for (unsigned y = 0; y < g[1]; ++y) for (unsigned x = 0; x < g[0]; ++x) {{ "
+        f"blockIdx.x = x; blockIdx.y = y; blockIdx.z = z; "
+        f"for (unsigned t = 0; t < 256; ++t) {{ threadIdx.x = t; {e}(X, Wr, Y, a[0], a[1], "
+        f"a[2], a[3], a[4], a[5], a[6], a[7], a[8], a[9], N, a[10], a[11], a[12]); "
+        f"}} }} }}\n"
+        for i, e in enumerate(exprs))
+    (tmp_path / "k.cpp").write_text(_ROWS_PRELUDE + cupy_rows.SOURCE + drivers)
+    subprocess.run([cxx, "-O1", "-std=c++14", "-shared", "-fPIC", "-w", "-o",
+                    str(tmp_path / "k.so"), str(tmp_path / "k.cpp")], check=True)
+    lib = ctypes.CDLL(str(tmp_path / "k.so"))
+    rng = np.random.default_rng(7)
+
+    def ptr(a):
+        return ctypes.c_void_p(a.ctypes.data)
+
+    for i, (B, Ci, Co, G, H, W, N, k, s, p, d) in enumerate(_ROWS_CASES):
+        X = rng.standard_normal((B, Ci, H, W, N)).astype(np.float32)
+        w = rng.standard_normal((Co, Ci // G) + k).astype(np.float32)
+        Cg, Cpg = Ci // G, Co // G
+        Ho, Wo = out_size(H, k[0], s[0], p[0], d[0]), out_size(W, k[1], s[1], p[1], d[1])
+        want = np.zeros((B, Co, Ho, Wo, N))
+        for o, c, u, v, y, x in itertools.product(range(Co), range(Cg), range(k[0]),
+                                                  range(k[1]), range(Ho), range(Wo)):
+            iy, ix = y * s[0] + u * d[0] - p[0], x * s[1] + v * d[1] - p[1]
+            if 0 <= iy < H and 0 <= ix < W:
+                want[:, o, y, x] += w[o, c, u, v] * X[:, o // Cpg * Cg + c, iy, ix].astype(float)
+        Wr = np.ascontiguousarray(w.reshape(G, Cpg, Cg, *k).transpose(0, 2, 3, 4, 1))
+        cfg = cupy_rows.tiles(Cpg)
+        full, px_tiles, o_tiles = cupy_rows.grid(B, G, Cpg, Ho, Wo, N, cfg)
+        for g, tr in itertools.product((full, (full[0], 1, 1)), (False, True)):
+            a = np.array([Cg, Cpg, G, B, H, W, Ho, Wo, p[0], p[1], px_tiles, o_tiles, tr],
+                         np.int32)
+            Y = np.full((B, N, Co, Ho, Wo) if tr else (B, Co, Ho, Wo, N), np.nan, np.float32)
+            getattr(lib, f"run_{i}")(ptr(X), ptr(Wr), ptr(Y), ptr(a), ctypes.c_longlong(N),
+                                     ptr(np.array(g, np.uint32)))
+            Y = Y.transpose(0, 2, 3, 4, 1) if tr else Y  # NaN: unwritten entries show
+            np.testing.assert_allclose(Y, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_the_rows_kernel_compiles_for_the_gpu():
+    """The rows kernel's CUDA source through NVRTC for the H100/H200's architecture (no
+    GPU needed), with the instantiations the layers of the moments suite take."""
+    nvrtc = pytest.importorskip("cuda.bindings.nvrtc",
+                                reason="NVRTC comes with the test extra's numba-cuda[cu13]")
+    from convcov.backends import _cupy_rows as cupy_rows
+
+    names = [cupy_rows.name(cupy_rows.tiles(Cpg), (3, 3), s, (1, 1))
+             for Cpg, s in ((16, (1, 1)), (64, (1, 1)), (32, (2, 2)))]
+    err, prog = nvrtc.nvrtcCreateProgram(cupy_rows.SOURCE.encode(), b"rows.cu", 0, [], [])
+    try:
+        for n in names:
+            nvrtc.nvrtcAddNameExpression(prog, n.encode())
+        opts = [b"-arch=sm_90", *(o.encode() for o in cupy_rows._OPTIONS)]
+        err, = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        _, size = nvrtc.nvrtcGetProgramLogSize(prog)
+        log = b" " * size
+        nvrtc.nvrtcGetProgramLog(prog, log)
+        assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS, log.decode(errors="replace")
+        for n in names:
+            err, lowered = nvrtc.nvrtcGetLoweredName(prog, n.encode())
+            assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS and lowered, n
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+@pytest.mark.parametrize("geometry", ["plain", "stride-pad-dil-groups"])
+@pytest.mark.parametrize("layout", ["full", "diag"])
+def test_the_rows_kernels_way_matches_the_definition(geometry, layout, monkeypatch):
+    """The CUDA full layout's way (the rows kernel storing K gamma transposed, then the
+    rows kernel on that), and the diagonal layout's (K gamma's rows, then each channel's
+    block), run on the host with the kernel emulated by a convolution; a nonsymmetric
+    gamma counts as its symmetric part."""
+    from convcov.backends import _cupy_rows as cupy_rows
+
+    def emulated(X, w, stride, padding, dilation, G, transposed=False):
+        Y = F.conv3d(X, w[..., None], None, (*stride, 1), (*padding, 0), (*dilation, 1), G)
+        return Y.permute(0, 4, 1, 2, 3).contiguous() if transposed else Y
+
+    monkeypatch.setattr(cupy_rows, "rows_conv", emulated)
+    monkeypatch.setattr(moments._TorchOps, "rows", lambda self, *xs: True)
+    monkeypatch.setattr(moments, "ROWS_MAX_CPG", 1 << 30)
+    B, Ci, Co, G, H, W, k, s, p, d = GEOMETRIES[geometry]
+    rng = np.random.default_rng(zlib.crc32(f"rows {geometry} {layout}".encode()))
+    a = problem(rng, B, Ci, Co, G, H, W, k, "full", "channel", "channel", sym=False)
+    g = a["gamma"].reshape(B, Ci * H * W, -1)
+    sym = ((g + g.transpose(0, 2, 1)) / 2).reshape(a["gamma"].shape)
+    mean, cov = reference(**dict(a, gamma=sym), stride=s, padding=p, dilation=d, groups=G)
+    t = {n: None if v is None else torch.as_tensor(v) for n, v in a.items()}
+    _, go = convcov.conv2d_moments(t["mu"], t["gamma"], t["weight"], t["bias"], t["c"],
+                                   c_bias=t["c_bias"], stride=s, padding=p, dilation=d,
+                                   groups=G, out_layout=layout)
+    np.testing.assert_allclose(go.numpy(), in_layout(cov, layout), rtol=1e-10, atol=1e-10)
+    assert torch.equal(go, torch.as_tensor(transposed(go.numpy(), layout)))
+
+
 def test_numba_device_arrays_follow_their_streams():
     """Numba device arrays on their own streams: computed after the stream mu names, on the
     one out names; new results name the stream computed on; the results are right."""
