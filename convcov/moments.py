@@ -78,8 +78,9 @@ WINDOW_SUMS_ON = ("cpu",)
 #: 227 ms, 64ch 73 -> 60-70 ms, strided 79 -> 62 ms on the 2-core host.
 _CL_CHUNK = 2 << 20
 #: Output channels a group up to which full gamma's convolutions on CUDA are the rows
-#: kernel (:func:`_rows_full`), not cuDNN's: H100, 16 -> 16 channels full 63.7 -> 56 ms
-#: and diag 38.3 -> 36.2 ms; with 32 and 64 channels a group cuDNN's are 2x faster.
+#: kernel (:func:`_rows_full`), not cuDNN's: H100, 16 -> 16 channels full 63.6 -> 44.9 ms
+#: and diag 38.3 -> 31.5 ms; with 32 and 64 a group cuDNN's are faster (strided full 7.9
+#: against 13.3 ms, 64ch 35.8 against 67.0 ms).
 ROWS_MAX_CPG = 16
 #: Whether CuPy, which compiles the CUDA rows kernel (:func:`_rows`), is installed.
 _HAVE_CUPY = importlib.util.find_spec("cupy") is not None
