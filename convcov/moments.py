@@ -82,8 +82,6 @@ _CL_CHUNK = 2 << 20
 #: and diag 38.3 -> 31.5 ms; with 32 and 64 a group cuDNN's are faster (strided full 7.9
 #: against 13.3 ms, 64ch 35.8 against 67.0 ms).
 ROWS_MAX_CPG = 16
-#: Whether CuPy, which compiles the CUDA rows kernel (:func:`_rows`), is installed.
-_HAVE_CUPY = importlib.util.find_spec("cupy") is not None
 
 
 @dataclass
@@ -455,8 +453,9 @@ class _TorchOps(_NumpyOps):
         return self.device_type in CHANNELS_LAST_ON and not self.grad(*xs)
 
     def rows(self, *xs) -> bool:
+        # CuPy compiles the kernel: the cupy backend's probe says whether it can
         return (self.device_type == "cuda" and self.dtype == self.torch.float32
-                and not self.grad(*xs) and _HAVE_CUPY)
+                and not self.grad(*xs) and _registry.get("cupy").unavailable_reason() is None)
 
     def conv(self, x, w, G, geo):
         F = self.torch.nn.functional
