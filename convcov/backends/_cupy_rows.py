@@ -208,21 +208,13 @@ def _kernel(expr, dev):
     return f
 
 
-class _StreamHandle:  # a raw handle in the CUDA stream protocol (cupy.cuda.Stream.from_external)
-    __slots__ = ("handle",)
-
-    def __init__(self, handle):
-        self.handle = handle
-
-    def __cuda_stream__(self):
-        return (0, self.handle)
-
-
 def rows_conv(X, w, stride, padding, dilation, G, transposed=False):
     """``Y`` above for torch float32 CUDA tensors ``X`` ``(B, Ci, H, W, N)`` and ``w``
     ``(Co, Ci / G, kh, kw)``; a new contiguous tensor, queued on torch's current
     stream; with ``transposed``, stored transposed: ``(B, N, Co, Ho, Wo)``."""
     import cupy
+
+    from .cupy import _StreamHandle
 
     torch = sys.modules["torch"]
     B, Ci, H, W, N = X.shape
@@ -249,6 +241,5 @@ def rows_conv(X, w, stride, padding, dilation, G, transposed=False):
         f((gx, gy, gz), (256,),
           (np.uint64(X.data_ptr()), np.uint64(Wr.data_ptr()), np.uint64(Y.data_ptr()),
            i32(Cg), i32(Cpg), i32(G), i32(B), i32(H), i32(W), i32(Ho), i32(Wo), i32(ph),
-           i32(pw), np.int64(N), i32(px_tiles),
-           i32(o_tiles), i32(transposed)))
+           i32(pw), np.int64(N), i32(px_tiles), i32(o_tiles), i32(transposed)))
     return Y
