@@ -325,9 +325,7 @@ def test_cuda_arrays_match_the_definition(kind, geometry, form):
 
 
 _ROWS_PRELUDE = r"""
-#include <algorithm>
 #include <cmath>
-using std::min;
 struct float4 { float x, y, z, w; };
 static float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
 #define __global__

@@ -82,7 +82,7 @@ __global__ void __launch_bounds__(256) rows_conv(
       // input columns px0 sw - pw + t of kernel row u of channel c (0 in the padding)
       auto load = [&](int s, float (&x)[NX][4]) {
         const int c = s / KH, iy = py * SH + s % KH * DH - PH;
-        const bool row_in = s < steps && iy >= 0 && iy < H;
+        const bool row_in = iy >= 0 && iy < H;
         const float* r = xb + ((long long)c * H + (row_in ? iy : 0)) * W * N;
 #pragma unroll
         for (int t = 0; t < NX; ++t) {
