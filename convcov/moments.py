@@ -15,8 +15,9 @@ the same code through a small namespace of array operations (:class:`_NumpyOps`,
 :class:`_TorchOps`), whose one convolution is 3-D: the trailing (or leading) axis with a
 kernel of 1 carries the covariance's other index set along.
 
-On CUDA in float32 without autograd (CuPy installed), full gamma's convolutions are
-convcov's own kernel (:mod:`convcov.backends._cupy_rows`; :func:`_rows_full`).
+On CUDA without autograd (CuPy installed), full gamma's convolutions in float32 with few
+output channels a group are convcov's own kernel, and the symmetrisation another
+(:mod:`convcov.backends._cupy_moments`; :func:`_rows_full`).
 
 CuPy arrays and generic CUDA arrays (``__cuda_array_interface__``: numba device arrays) are
 computed by the same torch ops, on torch tensors that share their memory (:func:`_shared`);
@@ -78,9 +79,9 @@ WINDOW_SUMS_ON = ("cpu",)
 #: 227 ms, 64ch 73 -> 60-70 ms, strided 79 -> 62 ms on the 2-core host.
 _CL_CHUNK = 2 << 20
 #: Output channels a group up to which full gamma's convolutions on CUDA are the rows
-#: kernel (:func:`_rows_full`), not cuDNN's: H100, 16 -> 16 channels full 63.6 -> 44.9 ms
-#: and diag 38.3 -> 31.5 ms; with 32 and 64 a group cuDNN's are faster (strided full 7.9
-#: against 13.3 ms, 64ch 35.8 against 67.0 ms).
+#: kernel (:func:`_rows_full`), not cuDNN's: H100, 16 -> 16 channels full 54.0 -> 27.3 ms
+#: and diag 37.4 -> 27.2 ms; with 32 and 64 a group cuDNN's are faster (strided full 7.1
+#: against 10.5 ms, 64ch 30.9 against 49.5 ms).
 ROWS_MAX_CPG = 16
 
 
@@ -452,10 +453,16 @@ class _TorchOps(_NumpyOps):
     def channels_last(self, *xs) -> bool:
         return self.device_type in CHANNELS_LAST_ON and not self.grad(*xs)
 
-    def rows(self, *xs) -> bool:
-        # CuPy compiles the kernel: the cupy backend's probe says whether it can
-        return (self.device_type == "cuda" and self.dtype == self.torch.float32
+    def kernels(self, *xs) -> bool:
+        """Whether convcov's own CUDA kernels (:mod:`convcov.backends._cupy_moments`) take
+        these operands: CUDA, float32 or float64, no autograd, and CuPy to compile them
+        (the cupy backend's probe says whether it can)."""
+        return (self.device_type == "cuda" and self.dtype in (self.torch.float32,
+                                                               self.torch.float64)
                 and not self.grad(*xs) and _registry.get("cupy").unavailable_reason() is None)
+
+    def rows(self, *xs) -> bool:
+        return self.dtype == self.torch.float32 and self.kernels(*xs)
 
     def conv(self, x, w, G, geo):
         F = self.torch.nn.functional
@@ -476,6 +483,12 @@ class _TorchOps(_NumpyOps):
         if self.grad(A, out):
             S = ((A + A.transpose(1, 2)) * 0.5).contiguous()
             return S if out is None else out.copy_(S.reshape(out.shape))
+        if self.kernels() and A.is_contiguous():  # one read and one write (in place)
+            from .backends._cupy_moments import symmetrize
+
+            direct = out is not None and out.dtype == self.dtype and out.is_contiguous()
+            dst = symmetrize(A, out.view(A.shape) if direct else A)
+            return self.result(dst, out) if out is not None and not direct else dst
         if self.device_type == "cpu" and A.is_contiguous():
             return super().symmetric(A, out)
         # As NumPy's, with the halving fused into both passes: 0.5 a + 0.5 b is exactly
@@ -711,9 +724,9 @@ def _rows_full(o, call, g, w):
 
 def _rows(o, call, X, w, transposed=False):
     """``X`` ``(B, Ci H W, ...)``'s rows convolved on CUDA by
-    :func:`convcov.backends._cupy_rows.rows_conv`: ``(B, Co Ho Wo, N)`` (``(B, N, Co Ho
+    :func:`convcov.backends._cupy_moments.rows_conv`: ``(B, Co Ho Wo, N)`` (``(B, N, Co Ho
     Wo)`` transposed). Against cuDNN's float32 convolutions: docs/moments.md, "On CUDA"."""
-    from .backends._cupy_rows import rows_conv
+    from .backends._cupy_moments import rows_conv
 
     X5 = X.reshape(call.B, call.Ci, call.H, call.W, -1)
     Y = rows_conv(X5, w, call.stride, call.padding, call.dilation, call.G, transposed)

@@ -325,60 +325,91 @@ def test_cuda_arrays_match_the_definition(kind, geometry, form):
 
 
 _ROWS_PRELUDE = r"""
+#include <array>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
 struct float4 { float x, y, z, w; };
+struct float2 { float x, y; };
 static float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
+static float2 make_float2(float x, float y) { return {x, y}; }
 #define __global__
 #define __device__
 #define __forceinline__ inline
 #define __launch_bounds__(...)
 #define __restrict__
 struct dim3_ { unsigned x, y, z; };
-static dim3_ threadIdx, blockIdx, gridDim;
+static dim3_ threadIdx, blockIdx, blockDim, gridDim;
 template <class T> static T __ldg(const T* p) { return *p; }
+// The warp's mma by replay: a driver runs each lane of a warp in turn twice; the first pass
+// logs every lane's operands of each call, the second computes D from the whole warp's
+// (operands come from memory, never from an earlier mma's result, in these kernels).
+static int emu_pass, emu_calls, emu_count[32];
+static std::vector<std::array<unsigned, 6>> emu_log;
+static float emu_f(unsigned u) { float x; memcpy(&x, &u, 4); return x; }
+static void mma_on_host(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+  const int lane = threadIdx.x & 31;
+  const size_t i = emu_calls++;
+  if (emu_pass == 0) {
+    if (emu_log.size() < 32 * (i + 1)) emu_log.resize(32 * (i + 1));
+    emu_log[32 * i + lane] = {a[0], a[1], a[2], a[3], b[0], b[1]};
+    return;
+  }
+  if (emu_log.size() < 32 * (i + 1)) abort();  // this lane calls more often than lane 31
+  float A[16][8], Bm[8][8];
+  for (int L = 0; L < 32; ++L) {
+    const auto& r = emu_log[32 * i + L];
+    for (int e = 0; e < 4; ++e) A[L / 4 + 8 * (e & 1)][L % 4 + 4 * (e >> 1)] = emu_f(r[e]);
+    for (int h = 0; h < 2; ++h) Bm[L % 4 + 4 * h][L / 4] = emu_f(r[4 + h]);
+  }
+  for (int e = 0; e < 4; ++e) {
+    float s = d[e];
+    for (int k = 0; k < 8; ++k)
+      s += A[lane / 4 + 8 * (e >> 1)][k] * Bm[k][2 * (lane % 4) + (e & 1)];
+    d[e] = s;
+  }
+}
 """
 
 _ROWS_CASES = [  # (B, Ci, Co, G, H, W, N, k, stride, padding, dilation)
     (2, 4, 6, 1, 7, 9, 37, (3, 3), (1, 1), (1, 1), (1, 1)),
     (1, 6, 4, 2, 8, 5, 130, (3, 2), (2, 1), (1, 0), (1, 2)),
     (1, 3, 9, 3, 6, 6, 40, (3, 3), (1, 2), (2, 1), (2, 1)),
-    (1, 8, 70, 1, 5, 11, 129, (1, 1), (1, 1), (0, 0), (1, 1)),  # two channel tiles
+    (1, 8, 70, 1, 5, 11, 129, (1, 1), (1, 1), (0, 0), (1, 1)),  # three channel tiles
     (1, 2, 20, 2, 9, 9, 5, (5, 5), (2, 2), (0, 0), (1, 1)),
-    (2, 4, 12, 2, 6, 8, 576, (3, 3), (1, 1), (1, 1), (1, 1)),  # 8 wide: 16-byte stores
+    (2, 4, 12, 2, 6, 8, 576, (3, 3), (1, 1), (1, 1), (1, 1)),  # whole runs, vector stores
+    (1, 20, 16, 1, 6, 6, 260, (3, 3), (1, 1), (1, 1), (1, 1)),  # three input channel steps
 ]
 
 
 def test_rows_kernel_matches_literal_loops(tmp_path):
-    """The CUDA rows kernel of the full layout (convcov.backends._cupy_rows), its source
+    """The CUDA rows kernel of the full layout (convcov.backends._cupy_moments), its source
     built on the host as C++, every block and thread in turn, with the backend's tiles and
     grid: the convolution of X's rows by literal loops, with stride, padding, dilation,
     groups, ragged tiles of n, columns and channels, stored as it is and transposed; and
     again on a grid of one block in y and z, whose blocks loop over the rest."""
     import ctypes
-    import shutil
-    import subprocess
 
-    from convcov.backends import _cupy_rows as cupy_rows
+    from convcov.backends import _cupy_moments as cupy_moments
 
-    cxx = shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
-        pytest.skip("no C++ compiler for the host build of the CUDA source")
-    exprs = [cupy_rows.name(cupy_rows.tiles(Co // G), k, s, d)
+    exprs = [cupy_moments.name(cupy_moments.tiles(Co // G), k, s, d)
              for _, _, Co, G, _, _, _, k, s, _, d in _ROWS_CASES]
     drivers = "".join(
-        f'extern "C" void run_{i}(const float* X, const float* Wr, float* Y, const int* a, '
+        f'extern "C" int run_{i}(const float* X, const float* Wr, float* Y, const int* a, '
         f"long long N, const unsigned* g) {{ gridDim.x = g[0]; gridDim.y = g[1]; "
         f"gridDim.z = g[2]; for (unsigned z = 0; z < g[2]; ++z) "
         f"for (unsigned y = 0; y < g[1]; ++y) for (unsigned x = 0; x < g[0]; ++x) {{ "
         f"blockIdx.x = x; blockIdx.y = y; blockIdx.z = z; "
-        f"for (unsigned t = 0; t < 256; ++t) {{ threadIdx.x = t; {e}(X, Wr, Y, a[0], a[1], "
-        f"a[2], a[3], a[4], a[5], a[6], a[7], a[8], a[9], N, a[10], a[11], a[12]); "
-        f"}} }} }}\n"
+        f"for (unsigned w = 0; w < 8; ++w) {{ emu_log.clear(); "
+        f"for (emu_pass = 0; emu_pass < 2; ++emu_pass) for (unsigned l = 0; l < 32; ++l) {{ "
+        f"threadIdx.x = 32 * w + l; emu_calls = 0; {e}(X, Wr, Y, a[0], a[1], "
+        f"a[2], a[3], a[4], a[5], a[6], a[7], a[8], a[9], N, a[10], a[11], a[12], a[13]); "
+        f"if (emu_pass == 0) emu_count[l] = emu_calls; "
+        f"else if (emu_calls != emu_count[l] || emu_calls != emu_count[0]) return 1; "
+        f"}} }} }} return 0; }}\n"
         for i, e in enumerate(exprs))
-    (tmp_path / "k.cpp").write_text(_ROWS_PRELUDE + cupy_rows.SOURCE + drivers)
-    subprocess.run([cxx, "-O1", "-std=c++14", "-shared", "-fPIC", "-w", "-o",
-                    str(tmp_path / "k.so"), str(tmp_path / "k.cpp")], check=True)
-    lib = ctypes.CDLL(str(tmp_path / "k.so"))
+    lib = _host_build(tmp_path, cupy_moments.SOURCE + drivers)
     rng = np.random.default_rng(7)
 
     def ptr(a):
@@ -396,32 +427,89 @@ def test_rows_kernel_matches_literal_loops(tmp_path):
             if 0 <= iy < H and 0 <= ix < W:
                 want[:, o, y, x] += w[o, c, u, v] * X[:, o // Cpg * Cg + c, iy, ix].astype(float)
         Wr = np.ascontiguousarray(w.reshape(G, Cpg, Cg, *k).transpose(0, 2, 3, 4, 1))
-        cfg = cupy_rows.tiles(Cpg)
-        full, px_tiles, o_tiles = cupy_rows.grid(B, G, Cpg, Ho, Wo, N, cfg)
+        cfg = cupy_moments.tiles(Cpg)
+        full, args = cupy_moments.grid(B, G, Cpg, Ho, Wo, N, cfg)
         for g, tr in itertools.product((full, (full[0], 1, 1)), (False, True)):
-            a = np.array([Cg, Cpg, G, B, H, W, Ho, Wo, p[0], p[1], px_tiles, o_tiles, tr],
-                         np.int32)
+            a = np.array([Cg, Cpg, G, B, H, W, Ho, Wo, p[0], p[1], *args, tr], np.int32)
             Y = np.full((B, N, Co, Ho, Wo) if tr else (B, Co, Ho, Wo, N), np.nan, np.float32)
-            getattr(lib, f"run_{i}")(ptr(X), ptr(Wr), ptr(Y), ptr(a), ctypes.c_longlong(N),
-                                     ptr(np.array(g, np.uint32)))
+            assert getattr(lib, f"run_{i}")(ptr(X), ptr(Wr), ptr(Y), ptr(a),
+                                            ctypes.c_longlong(N),
+                                            ptr(np.array(g, np.uint32))) == 0, "warp diverged"
             Y = Y.transpose(0, 2, 3, 4, 1) if tr else Y  # NaN: unwritten entries show
             np.testing.assert_allclose(Y, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
-def test_the_rows_kernel_compiles_for_the_gpu():
-    """The rows kernel's CUDA source through NVRTC for the H100/H200's architecture (no
-    GPU needed), with the instantiations the layers of the moments suite take."""
+def _host_build(tmp_path, source):
+    """The CUDA source ``source`` built on the host as C++ (a shared library), or a skip."""
+    import ctypes
+    import shutil
+    import subprocess
+
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no C++ compiler for the host build of the CUDA source")
+    (tmp_path / "k.cpp").write_text(_ROWS_PRELUDE + source)
+    subprocess.run([cxx, "-O1", "-std=c++14", "-shared", "-fPIC", "-w", "-o",
+                    str(tmp_path / "k.so"), str(tmp_path / "k.cpp")], check=True)
+    return ctypes.CDLL(str(tmp_path / "k.so"))
+
+
+def test_symmetrize_kernel_matches_the_definition(tmp_path):
+    """The CUDA symmetrisation (convcov.backends._cupy_moments), its source built on the
+    host as C++, every block and thread in turn, with the backend's grid and on a grid of
+    one block in y and z (the loops past the grid): (A + A^T) / 2 bit for bit, in place and
+    into another array, float32 and float64, ragged and whole tiles, with and without
+    16-byte accesses."""
+    import ctypes
+
+    from convcov.backends import _cupy_moments as cupy_moments
+
+    drivers = "".join(
+        f'extern "C" void run_{T}(const {T}* A, {T}* D, long long r, long long B, int vec, '
+        f"const unsigned* g) {{ gridDim.x = g[0]; gridDim.y = g[1]; gridDim.z = g[2]; "
+        f"blockDim.x = 128; for (unsigned z = 0; z < g[2]; ++z) "
+        f"for (unsigned y = 0; y < g[1]; ++y) for (unsigned x = 0; x < g[0]; ++x) {{ "
+        f"blockIdx.x = x; blockIdx.y = y; blockIdx.z = z; "
+        f"for (unsigned t = 0; t < 128; ++t) {{ threadIdx.x = t; "
+        f"symmetrize<{T}>(A, D, r, B, vec); }} }} }}\n" for T in ("float", "double"))
+    lib = _host_build(tmp_path, cupy_moments.SOURCE + drivers)
+    rng = np.random.default_rng(11)
+
+    def ptr(a):
+        return ctypes.c_void_p(a.ctypes.data)
+
+    for dt, T in ((np.float32, "float"), (np.float64, "double")):
+        for B, r in ((1, 1), (3, 5), (2, 8), (1, 13), (2, 16), (1, 37), (1, 260)):
+            A = rng.standard_normal((B, r, r)).astype(dt)
+            want = dt(0.5) * A + dt(0.5) * A.transpose(0, 2, 1)
+            full = cupy_moments.symmetrize_grid(B, r, A.itemsize)
+            vecs = (0, 1) if r * A.itemsize % 16 == 0 else (0,)
+            for g, vec, in_place in itertools.product((full, (full[0], 1, 1)), vecs,
+                                                      (False, True)):
+                src = A.copy()
+                D = src if in_place else np.full_like(A, np.nan)
+                getattr(lib, f"run_{T}")(ptr(src), ptr(D), ctypes.c_longlong(r),
+                                         ctypes.c_longlong(B), ctypes.c_int(vec),
+                                         ptr(np.array(g, np.uint32)))
+                np.testing.assert_array_equal(D, want)
+
+
+def test_the_kernels_compile_for_the_gpu():
+    """The CUDA source through NVRTC for the H100/H200's architecture (no GPU needed), with
+    the rows kernel's instantiations the layers of the moments suite take and both
+    symmetrisations."""
     nvrtc = pytest.importorskip("cuda.bindings.nvrtc",
                                 reason="NVRTC comes with the test extra's numba-cuda[cu13]")
-    from convcov.backends import _cupy_rows as cupy_rows
+    from convcov.backends import _cupy_moments as cupy_moments
 
-    names = [cupy_rows.name(cupy_rows.tiles(Cpg), (3, 3), s, (1, 1))
+    names = [cupy_moments.name(cupy_moments.tiles(Cpg), (3, 3), s, (1, 1))
              for Cpg, s in ((16, (1, 1)), (64, (1, 1)), (32, (2, 2)))]
-    err, prog = nvrtc.nvrtcCreateProgram(cupy_rows.SOURCE.encode(), b"rows.cu", 0, [], [])
+    names += ["symmetrize<float>", "symmetrize<double>"]
+    err, prog = nvrtc.nvrtcCreateProgram(cupy_moments.SOURCE.encode(), b"rows.cu", 0, [], [])
     try:
         for n in names:
             nvrtc.nvrtcAddNameExpression(prog, n.encode())
-        opts = [b"-arch=sm_90", *(o.encode() for o in cupy_rows._OPTIONS)]
+        opts = [b"-arch=sm_90", *(o.encode() for o in cupy_moments._OPTIONS)]
         err, = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
         _, size = nvrtc.nvrtcGetProgramLogSize(prog)
         log = b" " * size
@@ -439,16 +527,21 @@ def test_the_rows_kernel_compiles_for_the_gpu():
 def test_the_rows_kernels_way_matches_the_definition(geometry, layout, monkeypatch):
     """The CUDA full layout's way (the rows kernel storing K gamma transposed, then the
     rows kernel on that), and the diagonal layout's (K gamma's rows, then each channel's
-    block), run on the host with the kernel emulated by a convolution; a nonsymmetric
-    gamma counts as its symmetric part."""
-    from convcov.backends import _cupy_rows as cupy_rows
+    block), then the symmetrisation kernel (in place, or into out), run on the host with
+    the kernels emulated; a nonsymmetric gamma counts as its symmetric part."""
+    from convcov.backends import _cupy_moments as cupy_moments
 
     def emulated(X, w, stride, padding, dilation, G, transposed=False):
         Y = F.conv3d(X, w[..., None], None, (*stride, 1), (*padding, 0), (*dilation, 1), G)
         return Y.permute(0, 4, 1, 2, 3).contiguous() if transposed else Y
 
-    monkeypatch.setattr(cupy_rows, "rows_conv", emulated)
+    def symmetrize(A, D):
+        return D.copy_(0.5 * A + 0.5 * A.transpose(1, 2))
+
+    monkeypatch.setattr(cupy_moments, "rows_conv", emulated)
+    monkeypatch.setattr(cupy_moments, "symmetrize", symmetrize)
     monkeypatch.setattr(moments._TorchOps, "rows", lambda self, *xs: True)
+    monkeypatch.setattr(moments._TorchOps, "kernels", lambda self, *xs: True)
     monkeypatch.setattr(moments, "ROWS_MAX_CPG", 1 << 30)
     B, Ci, Co, G, H, W, k, s, p, d = GEOMETRIES[geometry]
     rng = np.random.default_rng(zlib.crc32(f"rows {geometry} {layout}".encode()))
@@ -457,11 +550,16 @@ def test_the_rows_kernels_way_matches_the_definition(geometry, layout, monkeypat
     sym = ((g + g.transpose(0, 2, 1)) / 2).reshape(a["gamma"].shape)
     mean, cov = reference(**dict(a, gamma=sym), stride=s, padding=p, dilation=d, groups=G)
     t = {n: None if v is None else torch.as_tensor(v) for n, v in a.items()}
-    _, go = convcov.conv2d_moments(t["mu"], t["gamma"], t["weight"], t["bias"], t["c"],
-                                   c_bias=t["c_bias"], stride=s, padding=p, dilation=d,
-                                   groups=G, out_layout=layout)
-    np.testing.assert_allclose(go.numpy(), in_layout(cov, layout), rtol=1e-10, atol=1e-10)
-    assert torch.equal(go, torch.as_tensor(transposed(go.numpy(), layout)))
+    want = in_layout(cov, layout)
+    for out in (None, torch.zeros(want.shape, dtype=torch.float64),
+                torch.zeros(want.shape, dtype=torch.float32)):
+        _, go = convcov.conv2d_moments(t["mu"], t["gamma"], t["weight"], t["bias"], t["c"],
+                                       c_bias=t["c_bias"], stride=s, padding=p, dilation=d,
+                                       groups=G, out_layout=layout, out=out)
+        assert out is None or go is out
+        tol = 1e-10 if go.dtype == torch.float64 else 1e-6 * np.abs(want).max()
+        np.testing.assert_allclose(go.numpy(), want, rtol=tol, atol=tol)
+        assert torch.equal(go, torch.as_tensor(transposed(go.numpy(), layout)))
 
 
 def test_numba_device_arrays_follow_their_streams():

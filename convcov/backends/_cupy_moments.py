@@ -1,0 +1,444 @@
+"""``conv2d_moments``' own CUDA kernels (CUDA C++ compiled by CuPy): the convolution of a
+covariance's rows, and the symmetrisation.
+
+Owns ``SOURCE``'s kernels ``rows_conv`` and ``symmetrize``, their compilation (one
+``cupy.RawModule`` an instantiation, once per process) and their launch on torch CUDA
+tensors, on torch's current stream.
+
+``symmetrize`` writes ``(A + A^T) / 2`` of each square matrix of a stack, in place or into
+another array: a thread takes a tile on or right of the diagonal and its mirror, reads both
+and writes both (no thread reads what another writes), so the stack is read once and
+written once, against three reads and two writes for a transposed copy and an add.
+
+``rows_conv``: for ``X`` of shape ``(B, Ci, H, W, N)`` and weights ``w`` ``(Co, Cg, kh, kw)``
+in ``G`` groups it computes, in float32,
+
+    Y[b, o, y, x, n] = sum over c < Cg, u < kh, v < kw of
+                       w[o, c, u, v] X[b, g Cg + c, y sh + u dh - ph, x sw + v dw - pw, n]
+
+(``g = o // (Co / G)``; terms in the padding absent): the convolution along a covariance's
+outer index set, the inner one (``n``) riding along, stored as it is or transposed
+(``(B, N, Co, Ho, Wo)``). ``conv2d_moments``' full layout is two of them, the first one
+transposed; its diagonal layout starts with one (docs/moments.md, "On CUDA"). It is used
+where cuDNN's float32 convolutions of those shapes are slower: few output channels a group.
+
+Design. For one output position ``(y, x)`` and one kernel offset ``(u, v)`` the work is a
+matrix product, ``Y[o, n] += sum_c w[o, c, u, v] X[c, iy, ix, n]``, given to the tensor
+cores: TF32 ``mma.sync`` m16n8k8, its 16 rows ``n``, its 8 columns output channels, its 8
+terms input channels. Each float32 operand is split into two TF32 numbers (``hi`` rounded,
+``lo`` the rest rounded) and each product made of three (``lo hi``, ``hi lo``, ``hi hi``),
+which keeps float32's accuracy ("3xTF32"). A warp holds ``8 NB`` output channels x ``16 NT``
+values of ``n`` x ``PX`` output columns of one row; the rows of its products are mapped to
+``n`` so that each lane's rows are one run of ``2 NT`` consecutive ``n``, which it loads
+(16-byte loads) for its two input channels of the step and stores (16-byte stores; when
+transposed, ``PX`` adjacent columns a store). For each step of 8 input channels and each
+kernel row the warp splits the step's weights once, then for each of the
+``(PX - 1) sw + (kw - 1) dw + 1`` input columns its columns read loads its runs, splits them
+and makes the products of every tap that column feeds. Weights are reordered to ``(G, Cg,
+kh, kw, Co / G)``. A block is 8 warps, ``xw`` along output columns (the fewest that cover the
+row) and the rest along ``n``. The grid's x is the output row and column tile, fastest, so
+that the blocks running together read the same input rows from L2; y the tile of ``n``; z
+``(b, group, channel tile)``. Tiles of n and z beyond the grid's limits (65535) are looped
+over. Warp-uniform: every branch around an ``mma.sync`` (all lanes must take it).
+
+Must not: wait on the host; import cupy before it is used.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import numpy as np
+
+SOURCE = r"""
+// The tensor cores' TF32 product (mma.sync m16n8k8, documented in the PTX ISA): d += a b for
+// a 16 x 8 A, an 8 x 8 B and a 16 x 8 D of float, spread over the warp's lanes (lane = 4 g +
+// t): a[i] is A[g + 8 (i & 1)][t + 4 (i >> 1)], b[h] is B[t + 4 h][g], d[i] is
+// D[g + 8 (i >> 1)][2 t + (i & 1)]. Every lane of the warp must call it together.
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const unsigned (&a)[4],
+                                         const unsigned (&b)[2]) {
+#ifdef __CUDA_ARCH__
+  asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, "
+      "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+  mma_on_host(d, a, b);  // the host build's emulation of the warp (tests)
+#endif
+}
+
+// x rounded to TF32 (10 bits of mantissa; nearest, ties away), as the bits of a float
+__device__ __forceinline__ unsigned tf32(float x) {
+#ifdef __CUDA_ARCH__
+  unsigned r;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+  return r;
+#else
+  unsigned u;
+  memcpy(&u, &x, 4);
+  return (u + 0x1000u) & 0xffffe000u;
+#endif
+}
+
+__device__ __forceinline__ float as_float(unsigned u) {
+#ifdef __CUDA_ARCH__
+  return __uint_as_float(u);
+#else
+  float x;
+  memcpy(&x, &u, 4);
+  return x;
+#endif
+}
+
+// x = hi + lo + O(2^-22 x), both TF32: a product of two is three TF32 products, float32's
+// accuracy ("3xTF32"; the lo lo term is below float32's rounding)
+__device__ __forceinline__ void split(float x, unsigned& hi, unsigned& lo) {
+  hi = tf32(x);
+  lo = tf32(x - as_float(hi));
+}
+
+// RUN consecutive floats at p (zeros where !ok or past n_end), by 16-byte loads where vec
+template <int RUN>
+__device__ __forceinline__ void load_run(float (&x)[RUN], const float* p, bool ok,
+                                         long long n, long long N, bool vec) {
+  if (ok && vec && n + RUN <= N) {
+#pragma unroll
+    for (int h = 0; h < RUN; h += 4) {
+      const float4 q = __ldg((const float4*)(p + h));
+      x[h] = q.x, x[h + 1] = q.y, x[h + 2] = q.z, x[h + 3] = q.w;
+    }
+  } else {
+#pragma unroll
+    for (int h = 0; h < RUN; ++h) x[h] = ok && n + h < N ? __ldg(p + h) : 0.f;
+  }
+}
+
+template <int NB, int NT, int PX, int KH, int KW, int SH, int SW, int DH, int DW>
+__global__ void __launch_bounds__(256) rows_conv(
+    const float* __restrict__ X, const float* __restrict__ Wr, float* __restrict__ Y,
+    int Cg, int Cpg, int G, int B, int H, int W, int Ho, int Wo, int PH, int PW,
+    long long N, int px_tiles, int o_tiles, int xw, int transposed)
+{
+  constexpr int NX = (PX - 1) * SW + (KW - 1) * DW + 1;  // input columns a warp reads
+  constexpr int RUN = 2 * NT;  // consecutive n a lane loads and stores
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const int nw = 8 / xw;  // warps of a block along n
+  const int py = blockIdx.x / px_tiles;
+  const int px0 = (blockIdx.x % px_tiles * xw + warp % xw) * PX;
+  const int Ci = Cg * G;
+  const long long n_tiles = (N + 16 * NT - 1) / (16 * NT);
+  const bool vec = N % 4 == 0;  // runs start on 16 bytes
+  for (long long z = blockIdx.z; z < (long long)B * G * o_tiles; z += gridDim.z) {
+    const int j0 = (int)(z % o_tiles) * 8 * NB;
+    const int grp = (int)(z / o_tiles % G), b = (int)(z / o_tiles / G);
+    if (px0 >= Wo) continue;  // warp-uniform; the kernel has no barrier
+    const float* xb = X + (long long)(b * Ci + grp * Cg) * H * W * N;
+    const float* wg = Wr + (long long)grp * Cg * KH * KW * Cpg;
+    for (long long nt = (long long)blockIdx.y * nw + warp / xw; nt < n_tiles;
+         nt += (long long)gridDim.y * nw) {
+      // The warp's D is (16 NT n) x (8 NB o) for each of its PX columns; mma j of n-block
+      // row m is n = n0 + RUN (m % 8) + 2 j + m / 8, so lane g's rows are its run of n
+      const long long n = nt * 16 * NT + RUN * g;
+      float acc[PX][NB][NT][4];
+#pragma unroll
+      for (int p = 0; p < PX; ++p)
+#pragma unroll
+        for (int i = 0; i < NB; ++i)
+#pragma unroll
+          for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[p][i][j][e] = 0.f;
+      for (int c0 = 0; c0 < Cg; c0 += 8) {
+        const int ca = c0 + t, cb = c0 + t + 4;  // the lane's k of A and B
+        for (int u = 0; u < KH; ++u) {
+          const int iy = py * SH + u * DH - PH;
+          if (iy < 0 || iy >= H) continue;  // warp-uniform
+          unsigned bh[KW][NB][2], bl[KW][NB][2];  // B[k][o] = w[o][c0 + k][u][v]
+#pragma unroll
+          for (int v = 0; v < KW; ++v)
+#pragma unroll
+            for (int i = 0; i < NB; ++i) {
+              const int o = j0 + 8 * i + g;
+              const float* w = wg + ((long long)u * KW + v) * Cpg + o;
+              split(ca < Cg && o < Cpg ? __ldg(w + (long long)ca * KH * KW * Cpg) : 0.f,
+                    bh[v][i][0], bl[v][i][0]);
+              split(cb < Cg && o < Cpg ? __ldg(w + (long long)cb * KH * KW * Cpg) : 0.f,
+                    bh[v][i][1], bl[v][i][1]);
+            }
+#pragma unroll
+          for (int tx = 0; tx < NX; ++tx) {
+            const int ix = px0 * SW - PW + tx;
+            if (ix < 0 || ix >= W) continue;  // warp-uniform
+            float xa[RUN], xc[RUN];  // channels ca and cb, the lane's run of n
+            const float* r = xb + ((long long)iy * W + ix) * N + n;
+            load_run(xa, r + (long long)ca * H * W * N, ca < Cg, n, N, vec);
+            load_run(xc, r + (long long)cb * H * W * N, cb < Cg, n, N, vec);
+            unsigned ah[NT][4], al[NT][4];
+#pragma unroll
+            for (int j = 0; j < NT; ++j) {
+              split(xa[2 * j], ah[j][0], al[j][0]);
+              split(xa[2 * j + 1], ah[j][1], al[j][1]);
+              split(xc[2 * j], ah[j][2], al[j][2]);
+              split(xc[2 * j + 1], ah[j][3], al[j][3]);
+            }
+#pragma unroll
+            for (int v = 0; v < KW; ++v) {
+              const int p = (tx - v * DW) / SW;  // the output column this tap feeds
+              if (tx < v * DW || (tx - v * DW) % SW != 0 || p >= PX) continue;
+#pragma unroll
+              for (int i = 0; i < NB; ++i)
+#pragma unroll
+                for (int j = 0; j < NT; ++j) {
+                  mma_tf32(acc[p][i][j], al[j], bh[v][i]);
+                  mma_tf32(acc[p][i][j], ah[j], bl[v][i]);
+                  mma_tf32(acc[p][i][j], ah[j], bh[v][i]);
+                }
+            }
+          }
+        }
+      }
+      // lane (g, t) holds, for o = j0 + 8 i + 2 t + e, the run n .. n + RUN - 1:
+      // acc[p][i][j][e] at n + 2 j and acc[p][i][j][e + 2] at n + 2 j + 1
+      if (transposed) {  // Y^T (B, N, Co Ho Wo): for each n and o, PX adjacent columns
+        const long long Q = (long long)Ho * Wo;
+        const bool vec = Wo % PX == 0;  // 8- or 16-byte stores (px0, Q, Wo multiples of PX)
+#pragma unroll
+        for (int i = 0; i < NB; ++i)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int o = j0 + 8 * i + 2 * t + e;
+            if (o >= Cpg) continue;
+#pragma unroll
+            for (int h = 0; h < RUN; ++h) {
+              if (n + h >= N) break;
+              float* yr = Y + ((long long)b * N + n + h) * G * Cpg * Q + (grp * Cpg + o) * Q
+                          + (long long)py * Wo + px0;
+              const int j = h / 2, f = e + 2 * (h % 2);
+              if (PX == 4 && vec) {
+                *(float4*)yr = make_float4(acc[0][i][j][f], acc[1 % PX][i][j][f],
+                                           acc[2 % PX][i][j][f], acc[3 % PX][i][j][f]);
+              } else if (PX == 2 && vec) {
+                *(float2*)yr = make_float2(acc[0][i][j][f], acc[1 % PX][i][j][f]);
+              } else {
+#pragma unroll
+                for (int p = 0; p < PX; ++p)
+                  if (px0 + p < Wo) yr[p] = acc[p][i][j][f];
+              }
+            }
+          }
+        continue;
+      }
+#pragma unroll
+      for (int i = 0; i < NB; ++i)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int o = j0 + 8 * i + 2 * t + e;
+          if (o >= Cpg) continue;
+#pragma unroll
+          for (int p = 0; p < PX; ++p) {
+            if (px0 + p >= Wo) break;
+            float* y = Y + (((long long)(b * G + grp) * Cpg + o) * Ho * Wo
+                            + (long long)py * Wo + px0 + p) * N + n;
+            float run[RUN];
+#pragma unroll
+            for (int h = 0; h < RUN; ++h) run[h] = acc[p][i][h / 2][e + 2 * (h % 2)];
+            if (vec && n + RUN <= N) {
+#pragma unroll
+              for (int h = 0; h < RUN; h += 4)
+                *(float4*)(y + h) = make_float4(run[h], run[h + 1], run[h + 2], run[h + 3]);
+            } else {
+#pragma unroll
+              for (int h = 0; h < RUN; ++h)
+                if (n + h < N) y[h] = run[h];
+            }
+          }
+        }
+    }
+  }
+}
+
+// (A + A^T) / 2 of each (r, r) matrix of a stack of B, into D (D == A: in place). Thread
+// (I, J), J >= I, takes the TS x TS tiles (I, J) and (J, I), rows of 32 bytes; the lanes of
+// a warp take consecutive J, so the tile rows they read and write on the (I, J) side are
+// contiguous, and whole 32-byte sectors on the mirror side.
+template <typename T>
+__global__ void __launch_bounds__(128) symmetrize(const T* A, T* D, long long r, long long B,
+                                                  int vec)  // every tile row on 16 bytes
+{
+  constexpr int TS = 32 / sizeof(T), VS = 16 / sizeof(T);
+  struct alignas(16) V { T x[VS]; };
+  const long long tiles = (r + TS - 1) / TS;
+  for (long long b = blockIdx.z; b < B; b += gridDim.z) {
+    const T* a = A + b * r * r;
+    T* d = D + b * r * r;
+    for (long long I = blockIdx.y; I < tiles; I += gridDim.y) {
+      const long long J = I + (long long)blockIdx.x * blockDim.x + threadIdx.x;
+      if (J >= tiles) continue;
+      const long long i0 = I * TS, j0 = J * TS;
+      const bool whole = vec && j0 + TS <= r;  // (I, J) and (J, I) whole, as j0 >= i0
+      // u[i][j] = a[i0 + i][j0 + j], v[j][i] = a[j0 + j][i0 + i]
+      alignas(16) T u[TS][TS], v[TS][TS];
+      auto load = [&](long long row0, long long col0, T (&x)[TS][TS]) {
+#pragma unroll
+        for (int i = 0; i < TS; ++i) {
+          const T* p = a + (row0 + i) * r + col0;
+          if (whole) {
+#pragma unroll
+            for (int h = 0; h < TS; h += VS) *(V*)&x[i][h] = *(const V*)(p + h);
+          } else {
+#pragma unroll
+            for (int j = 0; j < TS; ++j)
+              x[i][j] = row0 + i < r && col0 + j < r ? p[j] : T(0);
+          }
+        }
+      };
+      load(i0, j0, u);
+      load(j0, i0, v);
+#pragma unroll
+      for (int i = 0; i < TS; ++i)
+#pragma unroll
+        for (int j = 0; j < TS; ++j) {
+          // 0.5 u + 0.5 v is (u + v) / 2 rounded once (halving is exact); the two entries
+          // get the one value: bitwise symmetric
+          const T s = T(0.5) * u[i][j] + T(0.5) * v[j][i];
+          u[i][j] = s;
+          v[j][i] = s;
+        }
+      auto store = [&](long long row0, long long col0, T (&x)[TS][TS]) {
+#pragma unroll
+        for (int i = 0; i < TS; ++i) {
+          T* p = d + (row0 + i) * r + col0;
+          if (whole) {
+#pragma unroll
+            for (int h = 0; h < TS; h += VS) *(V*)(p + h) = *(const V*)&x[i][h];
+          } else {
+#pragma unroll
+            for (int j = 0; j < TS; ++j)
+              if (row0 + i < r && col0 + j < r) p[j] = x[i][j];
+          }
+        }
+      };
+      store(i0, j0, u);
+      store(j0, i0, v);
+    }
+  }
+}
+"""
+
+_OPTIONS = ("-std=c++14",)
+
+_lock = threading.Lock()
+_kernels = {}  # (name expression, device) -> cupy.RawKernel
+
+
+#: A warp's tile by its blocks of 8 output channels NB: (NT, PX), ``16 NT`` entries of n x
+#: ``PX`` output columns (H100, step one, 16ch with NB 2: (4, 4) 11.2 ms, (4, 2) 14.4, (2, 4)
+#: 13.1; with NB 1 (4, 4) 14.7, (8, 2) 17.5; 64ch / strided with NB 4: (2, 4) 23.4 / 8.2,
+#: (2, 2) 35.3 / 10.6).
+_TILES = {1: (4, 4), 2: (4, 4), 4: (2, 4)}
+
+
+def tiles(Cpg: int):
+    """(NB, NT, PX): a warp's tile is ``8 NB`` output channels (the fewest blocks of 8 that
+    cover ``Cpg``, at most 4) x ``16 NT`` entries of n x ``PX`` output columns."""
+    nb = 1 if Cpg <= 8 else 2 if Cpg <= 16 else 4
+    return (nb, *_TILES[nb])
+
+
+def grid(B, G, Cpg, Ho, Wo, N, cfg):
+    """The launch grid and the kernel's (px_tiles, o_tiles, xw) for one call: ``xw`` warps
+    of a block along output columns (the fewest that cover the row, at most 8), the rest
+    along n."""
+    NB, NT, PX = cfg
+    xw = 1
+    while xw < 8 and xw * PX < Wo:
+        xw *= 2
+    px_tiles = -(-Wo // (xw * PX))
+    o_tiles = -(-Cpg // (8 * NB))
+    n_blocks = -(-N // (16 * NT * (8 // xw)))
+    return ((Ho * px_tiles, min(n_blocks, 65535), min(B * G * o_tiles, 65535)),
+            (px_tiles, o_tiles, xw))
+
+
+def name(cfg, k, stride, dilation) -> str:
+    return "rows_conv<{}, {}, {}, {}, {}, {}, {}, {}, {}>".format(*cfg, *k, *stride,
+                                                                  *dilation)
+
+
+def _kernel(expr, dev):
+    f = _kernels.get((expr, dev))
+    if f is None:
+        import cupy
+
+        with _lock:
+            f = _kernels.get((expr, dev))
+            if f is None:
+                with cupy.cuda.Device(dev):
+                    mod = cupy.RawModule(code=SOURCE, options=_OPTIONS,
+                                         name_expressions=[expr])
+                    f = _kernels[(expr, dev)] = mod.get_function(expr)
+    return f
+
+
+def rows_conv(X, w, stride, padding, dilation, G, transposed=False):
+    """``Y`` above for torch float32 CUDA tensors ``X`` ``(B, Ci, H, W, N)`` and ``w``
+    ``(Co, Ci / G, kh, kw)``; a new contiguous tensor, queued on torch's current
+    stream; with ``transposed``, stored transposed: ``(B, N, Co, Ho, Wo)``."""
+    torch = sys.modules["torch"]
+    B, Ci, H, W, N = X.shape
+    Co, Cg, kh, kw = w.shape
+    Cpg = Co // G
+    (sh, sw), (ph, pw), (dh, dw) = stride, padding, dilation
+    Ho = (H + 2 * ph - dh * (kh - 1) - 1) // sh + 1
+    Wo = (W + 2 * pw - dw * (kw - 1) - 1) // sw + 1
+    Y = torch.empty((B, N, Co, Ho, Wo) if transposed else (B, Co, Ho, Wo, N), dtype=X.dtype,
+                    device=X.device)
+    if Y.numel() == 0:
+        return Y
+    X = X.contiguous()
+    Wr = w.reshape(G, Cpg, Cg, kh, kw).permute(0, 2, 3, 4, 1).contiguous()
+    cfg = tiles(Cpg)
+    launch, args = grid(B, G, Cpg, Ho, Wo, N, cfg)
+    i32 = np.int32
+    _launch(name(cfg, (kh, kw), stride, dilation), X.device, launch, 256,
+            (np.uint64(X.data_ptr()), np.uint64(Wr.data_ptr()), np.uint64(Y.data_ptr()),
+             i32(Cg), i32(Cpg), i32(G), i32(B), i32(H), i32(W), i32(Ho), i32(Wo), i32(ph),
+             i32(pw), np.int64(N), *map(i32, args), i32(transposed)))
+    return Y
+
+
+def symmetrize_grid(B, r, itemsize):
+    """``symmetrize``'s launch grid for a stack of ``B`` ``(r, r)`` matrices (128 threads a
+    block along ``J - I``, ``I`` on y, the matrix on z; beyond 65535 looped)."""
+    tiles = -(-r // (32 // itemsize))
+    return (-(-tiles // 128), min(tiles, 65535), min(B, 65535))
+
+
+def symmetrize(A, D):
+    """``D = (A + A^T) / 2`` for contiguous torch CUDA tensors ``A``, ``D`` ``(B, r, r)`` of
+    one dtype, float32 or float64 (``D`` may be ``A``), queued on torch's current stream."""
+    torch = sys.modules["torch"]
+    B, r, _ = A.shape
+    if A.numel() == 0:
+        return D
+    T = {torch.float32: "float", torch.float64: "double"}[A.dtype]
+    vec = r * A.element_size() % 16 == 0 and A.data_ptr() % 16 == 0 == D.data_ptr() % 16
+    _launch(f"symmetrize<{T}>", A.device, symmetrize_grid(B, r, A.element_size()), 128,
+            (np.uint64(A.data_ptr()), np.uint64(D.data_ptr()), np.int64(r), np.int64(B),
+             np.int32(vec)))
+    return D
+
+
+def _launch(expr, device, grid, block, args):
+    """Kernel ``expr`` on torch's current stream of ``device``."""
+    import cupy
+
+    from .cupy import _StreamHandle
+
+    torch = sys.modules["torch"]
+    handle = torch.cuda.current_stream(device).cuda_stream
+    stream = (cupy.cuda.Stream.from_external(_StreamHandle(handle))
+              if hasattr(cupy.cuda.Stream, "from_external") else cupy.cuda.ExternalStream(handle))
+    with cupy.cuda.Device(device.index), stream:
+        _kernel(expr, device.index)(grid, (block,), args)
