@@ -98,7 +98,8 @@ __device__ __forceinline__ void split(float x, unsigned& hi, unsigned& lo) {
   lo = tf32(x - as_float(hi));
 }
 
-// RUN consecutive floats at p (zeros where !ok or past n_end), by 16-byte loads where vec
+// RUN consecutive floats at p, entries n .. n + RUN - 1 of a row of N (zeros where !ok or
+// past N), by 16-byte loads where vec
 template <int RUN>
 __device__ __forceinline__ void load_run(float (&x)[RUN], const float* p, bool ok,
                                          long long n, long long N, bool vec) {
