@@ -16,8 +16,8 @@ the same code through a small namespace of array operations (:class:`_NumpyOps`,
 kernel of 1 carries the covariance's other index set along.
 
 On CUDA without autograd (CuPy installed), full gamma's convolutions in float32 with few
-output channels a group are convcov's own kernel, and the symmetrisation another
-(:mod:`convcov.backends._cupy_moments`; :func:`_rows_full`).
+output channels a group (compute capability 8.0 or later) are convcov's own kernel, and the
+symmetrisation another (:mod:`convcov.backends._cupy_moments`; :func:`_rows_full`).
 
 CuPy arrays and generic CUDA arrays (``__cuda_array_interface__``: numba device arrays) are
 computed by the same torch ops, on torch tensors that share their memory (:func:`_shared`);
@@ -462,7 +462,9 @@ class _TorchOps(_NumpyOps):
                 and not self.grad(*xs) and _registry.get("cupy").unavailable_reason() is None)
 
     def rows(self, *xs) -> bool:
-        return self.dtype == self.torch.float32 and self.kernels(*xs)
+        # the rows kernel's TF32 mma.sync needs compute capability 8.0 (A100) or later
+        return (self.dtype == self.torch.float32 and self.kernels(*xs)
+                and self.torch.cuda.get_device_capability(self.device) >= (8, 0))
 
     def conv(self, x, w, G, geo):
         F = self.torch.nn.functional

@@ -522,6 +522,18 @@ def test_the_kernels_compile_for_the_gpu():
         nvrtc.nvrtcDestroyProgram(prog)
 
 
+def test_the_rows_kernel_only_where_its_tensor_core_product_exists(monkeypatch):
+    """The rows kernel (TF32 mma.sync) is chosen on GPUs of compute capability 8.0 or
+    later only; before that cuDNN's way, and the symmetrisation kernel either way."""
+    from convcov import _registry
+
+    monkeypatch.setattr(type(_registry.get("cupy")), "unavailable_reason", lambda self: None)
+    ops = moments._TorchOps("float32", torch.device("cuda", 0))
+    for capability, rows in (((7, 5), False), ((8, 0), True), ((9, 0), True)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d, c=capability: c)
+        assert ops.rows() is rows and ops.kernels() is True
+
+
 @pytest.mark.parametrize("geometry", ["plain", "stride-pad-dil-groups"])
 @pytest.mark.parametrize("layout", ["full", "diag"])
 def test_the_rows_kernels_way_matches_the_definition(geometry, layout, monkeypatch):
