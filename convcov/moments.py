@@ -485,21 +485,20 @@ class _TorchOps(_NumpyOps):
         if self.grad(A, out):
             S = ((A + A.transpose(1, 2)) * 0.5).contiguous()
             return S if out is None else out.copy_(S.reshape(out.shape))
+        direct = out is not None and out.dtype == self.dtype and out.is_contiguous()
         if self.kernels() and A.is_contiguous():  # one read and one write (in place)
             from .backends._cupy_moments import symmetrize
 
-            direct = out is not None and out.dtype == self.dtype and out.is_contiguous()
             dst = symmetrize(A, out.view(A.shape) if direct else A)
-            return self.result(dst, out) if out is not None and not direct else dst
-        if self.device_type == "cpu" and A.is_contiguous():
+        elif self.device_type == "cpu" and A.is_contiguous():
             return super().symmetric(A, out)
-        # As NumPy's, with the halving fused into both passes: 0.5 a + 0.5 b is exactly
-        # (a + b) / 2 rounded once (scaling by 0.5 is exact), and commutes.
-        direct = out is not None and out.dtype == self.dtype and out.is_contiguous()
-        dst = out.view(A.shape) if direct else self.empty(A.shape)
-        for i in range(0, A.shape[1], 512):
-            self.torch.mul(A[:, i:i + 512].transpose(1, 2), 0.5, out=dst[:, :, i:i + 512])
-        dst.add_(A, alpha=0.5)
+        else:
+            # As NumPy's, with the halving fused into both passes: 0.5 a + 0.5 b is exactly
+            # (a + b) / 2 rounded once (scaling by 0.5 is exact), and commutes.
+            dst = out.view(A.shape) if direct else self.empty(A.shape)
+            for i in range(0, A.shape[1], 512):
+                self.torch.mul(A[:, i:i + 512].transpose(1, 2), 0.5, out=dst[:, :, i:i + 512])
+            dst.add_(A, alpha=0.5)
         return self.result(dst, out) if out is not None and not direct else dst
 
     @staticmethod

@@ -7,6 +7,7 @@
 * :func:`op_loops` is the seed's ``op_slow`` generalised to stride, padding, dilation and
   groups, written as literal loops in float64: the ground truth on tiny shapes.
 * :func:`tolerance` is the standard forward error bound of a floating-point sum.
+* :func:`host_build` builds CUDA C++ source on the host as C++ (the kernels' host tests).
 """
 
 from __future__ import annotations
@@ -272,3 +273,21 @@ def check_absent_terms_in_the_backward(backend: str) -> None:
     nan = np.zeros((3, 3), bool)
     nan[0, 2] = True
     np.testing.assert_array_equal(np.isnan(grad_gamma.reshape(3, 3)), nan)
+
+
+def host_build(directory, source: str):
+    """CUDA C++ ``source`` (its host prelude first) built on the host as a C++ shared library
+    in ``directory`` (a ``ctypes.CDLL``), or a skip where there is no C++ compiler."""
+    import ctypes
+    import shutil
+    import subprocess
+
+    import pytest
+
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no C++ compiler for the host build of the CUDA source")
+    (directory / "k.cpp").write_text(source)
+    subprocess.run([cxx, "-O1", "-std=c++14", "-shared", "-fPIC", "-w", "-o",
+                    str(directory / "k.so"), str(directory / "k.cpp")], check=True)
+    return ctypes.CDLL(str(directory / "k.so"))

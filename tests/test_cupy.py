@@ -20,7 +20,8 @@ import pytest
 import convcov
 from convcov import _frontend, _registry
 
-from kinds import at_once, check_absent_terms_in_the_backward, make, to_f64, tolerance, torch_cuda
+from kinds import (at_once, check_absent_terms_in_the_backward, host_build, make, to_f64,
+                   tolerance, torch_cuda)
 
 BACKEND = _registry.get("cupy")
 REASON = BACKEND.unavailable_reason()
@@ -580,14 +581,8 @@ def test_every_module_compiles_for_the_gpu(family, arch):
 
 @pytest.fixture(scope="module")
 def host_kernels(tmp_path_factory):
-    import ctypes
-    import shutil
-
     from convcov.backends import cupy as mod
 
-    cxx = shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
-        pytest.skip("no C++ compiler for the host build of the CUDA source")
     names = _all_kernel_names()
     # Every block of the grid in turn, every thread of a block in turn (the kernels share
     # nothing within a block).
@@ -600,11 +595,8 @@ def host_kernels(tmp_path_factory):
         f"blockIdx.z = z; for (unsigned ty = 0; ty < g[4]; ++ty) "
         f"for (unsigned tx = 0; tx < g[3]; ++tx) {{ threadIdx.x = tx; threadIdx.y = ty; "
         f"{n}(*a); }} }} }}\n" for i, n in enumerate(names))
-    d = tmp_path_factory.mktemp("host_kernels")
-    (d / "k.cpp").write_text(_HOST_PRELUDE + mod.SOURCE + drivers)
-    subprocess.run([cxx, "-O1", "-std=c++14", "-shared", "-fPIC", "-w", "-o",
-                    str(d / "k.so"), str(d / "k.cpp")], check=True)
-    return ctypes.CDLL(str(d / "k.so")), {n: i for i, n in enumerate(names)}
+    lib = host_build(tmp_path_factory.mktemp("host_kernels"), _HOST_PRELUDE + mod.SOURCE + drivers)
+    return lib, {n: i for i, n in enumerate(names)}
 
 
 class _HostKernel:

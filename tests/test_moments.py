@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 
 import convcov
 from convcov import moments
-from kinds import kinds_for, make, to_f64, tolerance
+from kinds import host_build, kinds_for, make, to_f64, tolerance
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
@@ -331,9 +331,7 @@ _ROWS_PRELUDE = r"""
 #include <cstring>
 #include <vector>
 struct float4 { float x, y, z, w; };
-struct float2 { float x, y; };
 static float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
-static float2 make_float2(float x, float y) { return {x, y}; }
 #define __global__
 #define __device__
 #define __forceinline__ inline
@@ -409,11 +407,8 @@ def test_rows_kernel_matches_literal_loops(tmp_path):
         f"else if (emu_calls != emu_count[l] || emu_calls != emu_count[0]) return 1; "
         f"}} }} }} return 0; }}\n"
         for i, e in enumerate(exprs))
-    lib = _host_build(tmp_path, cupy_moments.SOURCE + drivers)
+    lib = host_build(tmp_path, _ROWS_PRELUDE + cupy_moments.SOURCE + drivers)
     rng = np.random.default_rng(7)
-
-    def ptr(a):
-        return ctypes.c_void_p(a.ctypes.data)
 
     for i, (B, Ci, Co, G, H, W, N, k, s, p, d) in enumerate(_ROWS_CASES):
         X = rng.standard_normal((B, Ci, H, W, N)).astype(np.float32)
@@ -432,26 +427,18 @@ def test_rows_kernel_matches_literal_loops(tmp_path):
         for g, tr in itertools.product((full, (full[0], 1, 1)), (False, True)):
             a = np.array([Cg, Cpg, G, B, H, W, Ho, Wo, p[0], p[1], *args, tr], np.int32)
             Y = np.full((B, N, Co, Ho, Wo) if tr else (B, Co, Ho, Wo, N), np.nan, np.float32)
-            assert getattr(lib, f"run_{i}")(ptr(X), ptr(Wr), ptr(Y), ptr(a),
+            assert getattr(lib, f"run_{i}")(_ptr(X), _ptr(Wr), _ptr(Y), _ptr(a),
                                             ctypes.c_longlong(N),
-                                            ptr(np.array(g, np.uint32))) == 0, "warp diverged"
+                                            _ptr(np.array(g, np.uint32))) == 0, "warp diverged"
             Y = Y.transpose(0, 2, 3, 4, 1) if tr else Y  # NaN: unwritten entries show
             np.testing.assert_allclose(Y, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
-def _host_build(tmp_path, source):
-    """The CUDA source ``source`` built on the host as C++ (a shared library), or a skip."""
+def _ptr(a):
+    """``a``'s first element's address, for the host build's kernels."""
     import ctypes
-    import shutil
-    import subprocess
 
-    cxx = shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
-        pytest.skip("no C++ compiler for the host build of the CUDA source")
-    (tmp_path / "k.cpp").write_text(_ROWS_PRELUDE + source)
-    subprocess.run([cxx, "-O1", "-std=c++14", "-shared", "-fPIC", "-w", "-o",
-                    str(tmp_path / "k.so"), str(tmp_path / "k.cpp")], check=True)
-    return ctypes.CDLL(str(tmp_path / "k.so"))
+    return ctypes.c_void_p(a.ctypes.data)
 
 
 def test_symmetrize_kernel_matches_the_definition(tmp_path):
@@ -472,11 +459,8 @@ def test_symmetrize_kernel_matches_the_definition(tmp_path):
         f"blockIdx.x = x; blockIdx.y = y; blockIdx.z = z; "
         f"for (unsigned t = 0; t < 128; ++t) {{ threadIdx.x = t; "
         f"symmetrize<{T}>(A, D, r, B, vec); }} }} }}\n" for T in ("float", "double"))
-    lib = _host_build(tmp_path, cupy_moments.SOURCE + drivers)
+    lib = host_build(tmp_path, _ROWS_PRELUDE + cupy_moments.SOURCE + drivers)
     rng = np.random.default_rng(11)
-
-    def ptr(a):
-        return ctypes.c_void_p(a.ctypes.data)
 
     for dt, T in ((np.float32, "float"), (np.float64, "double")):
         for B, r in ((1, 1), (3, 5), (2, 8), (1, 13), (2, 16), (1, 37), (1, 260)):
@@ -488,9 +472,9 @@ def test_symmetrize_kernel_matches_the_definition(tmp_path):
                                                       (False, True)):
                 src = A.copy()
                 D = src if in_place else np.full_like(A, np.nan)
-                getattr(lib, f"run_{T}")(ptr(src), ptr(D), ctypes.c_longlong(r),
+                getattr(lib, f"run_{T}")(_ptr(src), _ptr(D), ctypes.c_longlong(r),
                                          ctypes.c_longlong(B), ctypes.c_int(vec),
-                                         ptr(np.array(g, np.uint32)))
+                                         _ptr(np.array(g, np.uint32)))
                 np.testing.assert_array_equal(D, want)
 
 

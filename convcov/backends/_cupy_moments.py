@@ -203,7 +203,7 @@ __global__ void __launch_bounds__(256) rows_conv(
       // acc[p][i][j][e] at n + 2 j and acc[p][i][j][e + 2] at n + 2 j + 1
       if (transposed) {  // Y^T (B, N, Co Ho Wo): for each n and o, PX adjacent columns
         const long long Q = (long long)Ho * Wo;
-        const bool vec = Wo % PX == 0;  // 8- or 16-byte stores (px0, Q, Wo multiples of PX)
+        const bool vec4 = PX == 4 && Wo % 4 == 0;  // 16-byte stores (px0, Q, Wo multiples of 4)
 #pragma unroll
         for (int i = 0; i < NB; ++i)
 #pragma unroll
@@ -216,11 +216,9 @@ __global__ void __launch_bounds__(256) rows_conv(
               float* yr = Y + ((long long)b * N + n + h) * G * Cpg * Q + (grp * Cpg + o) * Q
                           + (long long)py * Wo + px0;
               const int j = h / 2, f = e + 2 * (h % 2);
-              if (PX == 4 && vec) {
+              if (vec4) {
                 *(float4*)yr = make_float4(acc[0][i][j][f], acc[1 % PX][i][j][f],
                                            acc[2 % PX][i][j][f], acc[3 % PX][i][j][f]);
-              } else if (PX == 2 && vec) {
-                *(float2*)yr = make_float2(acc[0][i][j][f], acc[1 % PX][i][j][f]);
               } else {
 #pragma unroll
                 for (int p = 0; p < PX; ++p)
