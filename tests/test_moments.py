@@ -478,10 +478,113 @@ def test_symmetrize_kernel_matches_the_definition(tmp_path):
                 np.testing.assert_array_equal(D, want)
 
 
+_VAR_PARAMS = ("const T* g, const T* wt, T* P, long long sb, long long sc, long long sx, "
+               "long long sy, long long sc1, long long sx1, long long sy1, int Cg, int G, "
+               "int H, int W, int Wo, int KH, int KW, int SH, int SW, int PH, int PW, int DH, "
+               "int DW, int B, int i0, int rows, int chunks, int TPC, int RS, int diag")
+_VAR_CASES = [  # (B, Ci, Co, G, H, W, k, stride, padding, dilation)
+    (2, 3, 5, 1, 5, 4, (3, 3), (1, 1), (1, 1), (1, 1)),  # a ragged chunk of channels
+    (1, 4, 6, 2, 6, 7, (3, 2), (2, 1), (1, 0), (1, 2)),
+    (2, 2, 2, 2, 5, 5, (3, 3), (2, 2), (1, 1), (1, 1)),  # depthwise
+    (1, 21, 17, 1, 4, 3, (3, 3), (1, 1), (1, 1), (1, 1)),  # 16 column threads, two chunks
+    (1, 1, 3, 1, 4, 5, (5, 5), (1, 1), (3, 0), (1, 1)),  # rows wholly in the padding
+]
+
+
+def _var_by_blocks(gamma, w, G, s, p, d, diag):
+    """The variances of K gamma K^T in float64: each position's block of gamma (the
+    entries its windows read, in the image) and each output channel's quadratic form."""
+    B, Ci, H, W = gamma.shape[:4]
+    Co, Cg, kh, kw = w.shape
+    Ho, Wo = out_size(H, kh, s[0], p[0], d[0]), out_size(W, kw, s[1], p[1], d[1])
+    flat = gamma.reshape(B, Ci, H * W, -1).astype(np.float64)
+    v = np.zeros((B, Co, Ho, Wo))
+    for b, o, i, j in itertools.product(range(B), range(Co), range(Ho), range(Wo)):
+        g = o // (Co // G)
+        ent = [(cl, x * W + y, w[o, cl, u, t]) for cl, u, t in
+               itertools.product(range(Cg), range(kh), range(kw))
+               for x, y in [(i * s[0] + u * d[0] - p[0], j * s[1] + t * d[1] - p[1])]
+               if 0 <= x < H and 0 <= y < W]
+        for (c0, q0, w0), (c1, q1, w1) in itertools.product(ent, ent):
+            if diag and c0 != c1:
+                continue
+            col = q1 if diag else (g * Cg + c1) * H * W + q1
+            v[b, o, i, j] += float(w0) * float(w1) * flat[b, g * Cg + c0, q0, col]
+    return v
+
+
+def test_var_kernel_matches_the_definition(tmp_path, monkeypatch):
+    """The variances layout's CUDA kernel (convcov.backends._cupy_moments.var_forms), its
+    source built on the host as C++, every block and thread in turn, driven by the
+    backend's own split, launches and sums of the partial sums: each position's quadratic
+    forms of its block of gamma, by literal loops, for full and channel-diagonal gamma (views
+    with their axes' strides permuted), float32 and float64, with stride, padding,
+    dilation, groups, ragged chunks of channels, rows wholly in the padding, row segments
+    and output rows over several launches, on the backend's grid and on one block; then
+    conv2d_moments' variances layout through it."""
+    import ctypes
+    import re
+
+    from convcov.backends import _cupy_moments as cupy_moments
+
+    names = [n for n in re.findall(r"(\w+)(?:,|$)", _VAR_PARAMS)]
+    inst = [(T, cc) for T, ccs in (("float", (1, 2, 4, 8, 16)), ("double", (1, 2, 4, 8)))
+            for cc in ccs]
+    drivers = "".join(
+        f'extern "C" void run_{T}_{cc}(unsigned grid, {_VAR_PARAMS.replace("T*", T + "*")}) '
+        f"{{ gridDim.x = grid; blockDim.x = 128; for (unsigned x = 0; x < grid; ++x) "
+        f"for (unsigned t = 0; t < 128; ++t) {{ blockIdx.x = x; threadIdx.x = t; "
+        f"var_forms<{T}, {cc}, {cupy_moments.VAR_NC}>({', '.join(names)}); }} }}\n"
+        for T, cc in inst)
+    lib = host_build(tmp_path, _ROWS_PRELUDE + cupy_moments.SOURCE + drivers)
+    one_block = [False]
+
+    def launch(expr, device, grid, block, args):
+        T, cc, _ = re.fullmatch(r"var_forms<(\w+), (\d+), (\d+)>", expr).groups()
+        assert block == 128
+        conv = {np.uint64: ctypes.c_void_p, np.int64: ctypes.c_longlong, np.int32: ctypes.c_int}
+        getattr(lib, f"run_{T}_{cc}")(ctypes.c_uint(1 if one_block[0] else grid[0]),
+                                      *(conv[type(a)](int(a)) for a in args))
+
+    monkeypatch.setattr(cupy_moments, "_launch", launch)
+    rng = np.random.default_rng(12)
+    for case, form, dt in itertools.product(_VAR_CASES, ("full", "diag"),
+                                            (torch.float32, torch.float64)):
+        B, Ci, Co, G, H, W, k, s, p, d = case
+        a = problem(rng, B, Ci, Co, G, H, W, k, form, "none", "none", sym=False)
+        # gamma's memory in another order: a view with permuted strides
+        order = (0, 3, 1, 2, *range(4, a["gamma"].ndim))
+        mem = torch.tensor(a["gamma"].transpose(order), dtype=dt).contiguous()
+        g = mem.permute(np.argsort(order).tolist())
+        w = torch.tensor(a["weight"], dtype=dt)
+        want = _var_by_blocks(a["gamma"], a["weight"], G, s, p, d, form == "diag")
+        tol = (1e-5 if dt == torch.float32 else 1e-12) * np.abs(want).max()
+        for threads, partials, one_block[0] in ((1 << 17, 1 << 24, False), (1 << 30, 64, False),
+                                                (1 << 30, 1 << 24, True)):
+            monkeypatch.setattr(cupy_moments, "VAR_THREADS", threads)
+            monkeypatch.setattr(cupy_moments, "VAR_PARTIALS", partials)
+            v = cupy_moments.var_forms(g, w, s, p, d, G, form == "diag")
+            assert v.dtype == dt and v.shape == want.shape
+            np.testing.assert_allclose(v.numpy(), want, rtol=0, atol=tol)
+    # conv2d_moments' variances layout with the kernel (a gamma of each form, c per channel)
+    monkeypatch.setattr(moments._TorchOps, "kernels", lambda self, *xs: True)
+    one_block[0] = False
+    B, Ci, Co, G, H, W, k, s, p, d = _VAR_CASES[1]
+    for form in ("full", "diag"):
+        a = problem(rng, B, Ci, Co, G, H, W, k, form, "channel", "number")
+        mean, cov = reference(**a, stride=s, padding=p, dilation=d, groups=G)
+        t = {n: None if v is None else torch.as_tensor(v) for n, v in a.items()}
+        _, v = convcov.conv2d_moments(t["mu"], t["gamma"], t["weight"], t["bias"], t["c"],
+                                      c_bias=a["c_bias"], stride=s, padding=p, dilation=d,
+                                      groups=G, out_layout="var")
+        np.testing.assert_allclose(v.numpy(), in_layout(cov, "var"), rtol=1e-12)
+
+
 def test_the_kernels_compile_for_the_gpu():
     """The CUDA source through NVRTC for the H100/H200's architecture (no GPU needed), with
-    the rows kernel's instantiations the layers of the moments suite take and both
-    symmetrisations."""
+    the rows kernel's instantiations the layers of the moments suite take, both
+    symmetrisations and the variances' kernel for one and 16 channels (float32) and 8
+    (float64)."""
     nvrtc = pytest.importorskip("cuda.bindings.nvrtc",
                                 reason="NVRTC comes with the test extra's numba-cuda[cu13]")
     from convcov.backends import _cupy_moments as cupy_moments
@@ -489,6 +592,8 @@ def test_the_kernels_compile_for_the_gpu():
     names = [cupy_moments.name(cupy_moments.tiles(Cpg), (3, 3), s, (1, 1))
              for Cpg, s in ((16, (1, 1)), (64, (1, 1)), (32, (2, 2)))]
     names += ["symmetrize<float>", "symmetrize<double>"]
+    names += [f"var_forms<{T}, {cc}, {cupy_moments.VAR_NC}>"
+              for T, cc in (("float", 1), ("float", 16), ("double", 8))]
     err, prog = nvrtc.nvrtcCreateProgram(cupy_moments.SOURCE.encode(), b"rows.cu", 0, [], [])
     try:
         for n in names:

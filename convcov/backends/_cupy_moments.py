@@ -1,9 +1,18 @@
 """``conv2d_moments``' own CUDA kernels (CUDA C++ compiled by CuPy): the convolution of a
-covariance's rows, and the symmetrisation.
+covariance's rows, the symmetrisation, and the variances layout's quadratic forms.
 
-Owns ``SOURCE``'s kernels ``rows_conv`` and ``symmetrize``, their compilation (one
-``cupy.RawModule`` an instantiation, once per process) and their launch on torch CUDA
-tensors, on torch's current stream.
+Owns ``SOURCE``'s kernels ``rows_conv``, ``symmetrize`` and ``var_forms``, their
+compilation (one ``cupy.RawModule`` an instantiation, once per process) and their launch
+on torch CUDA tensors, on torch's current stream.
+
+``var_forms``: each output variance is the quadratic form ``w^T block w`` of its output
+channel's weights ``w`` (``N = Cg kh kw`` of them) with the ``(N, N)`` block of gamma that
+its position's window reads (docs/moments.md). The kernel reads each block where it lies
+in gamma (any strides; no copy), each thread a few of a position's columns and a segment
+of its rows for up to 16 output channels (8 in float64), and writes its partial sum; the
+sum over a position's threads follows (a torch sum: no atomics, the same bits every run).
+The threads of a warp take neighbouring columns of one position, and the threads of one
+position's chunks of channels run in one block, reading the same entries of gamma.
 
 ``symmetrize`` writes ``(A + A^T) / 2`` of each square matrix of a stack, in place or into
 another array: a thread takes a tile on or right of the diagonal and its mirror, reads both
@@ -323,6 +332,110 @@ __global__ void __launch_bounds__(128) symmetrize(const T* A, T* D, long long r,
     }
   }
 }
+
+// The variances layout's quadratic forms, in partial sums: for output position (i0 + ii, j)
+// of image b and group grp, and output channel c of chunk k (channel grp Cpg + k CC + c),
+//   P[b, grp, k CC + c, ii, j, rs TPC + ct] = sum over the thread's columns a' and rows a of
+//                                            w[c, a'] w[c, a] gamma[a(i, j), a'(i, j)]
+// where a = (cl, u, v) < N = Cg KH KW is input entry (grp Cg + cl, i SH + u DH - PH,
+// j SW + v DW - PW) (terms in the padding absent), the thread's columns are c0 + ct,
+// c0 + ct + TPC, ... below c1 and its rows r0 .. r1 - 1: the rows' segment rs of RS (all
+// columns), or, for a channel-diagonal gamma (diag; sc1 is 0), channel rs's block alone
+// (RS = Cg). The sum over a position's TPC RS slots is its variance. Each thread makes NC
+// columns' sums U[n][c] = sum over a of w[c, a] gamma[a, a'_n] at once, so a row's CC
+// weights (one vector load) serve NC CC products.
+template <typename T, int CC, int NC>
+__global__ void __launch_bounds__(128) var_forms(
+    const T* __restrict__ g, const T* __restrict__ wt, T* __restrict__ P, long long sb,
+    long long sc, long long sx, long long sy, long long sc1, long long sx1, long long sy1,
+    int Cg, int G, int H, int W, int Wo, int KH, int KW, int SH, int SW, int PH, int PW,
+    int DH, int DW, int B, int i0, int rows, int chunks, int TPC, int RS, int diag)
+{
+  struct alignas(CC * sizeof(T) < 16 ? CC * sizeof(T) : 16) WV { T x[CC]; };
+  const int KK = KH * KW, N = Cg * KK, S = TPC * RS;
+  const long long Cpad = (long long)chunks * CC;  // wt is (G, N, Cpad), 0 past Cpg
+  const long long total = (long long)B * G * rows * Wo * chunks * S;
+  for (long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x; t < total;
+       t += (long long)gridDim.x * blockDim.x) {
+    // ct fastest (a warp's lanes: neighbouring columns of one position), then the chunks
+    // of channels (the same entries of gamma, read by the warps of one block)
+    long long q = t;
+    const int ct = (int)(q % TPC);
+    q /= TPC;
+    const int k = (int)(q % chunks);
+    q /= chunks;
+    const int rs = (int)(q % RS);
+    q /= RS;
+    const int j = (int)(q % Wo);
+    q /= Wo;
+    const int ii = (int)(q % rows);
+    q /= rows;
+    const int grp = (int)(q % G), b = (int)(q / G), i = i0 + ii;
+    int r0, r1, c0, c1;
+    if (diag) {
+      r0 = c0 = rs * KK;
+      r1 = c1 = r0 + KK;
+    } else {
+      const int RL = (N + RS - 1) / RS;
+      r0 = rs * RL;
+      r1 = r0 + RL < N ? r0 + RL : N;
+      c0 = 0;
+      c1 = N;
+    }
+    const T* g0 = g + b * sb + (long long)grp * Cg * (sc + sc1);
+    const T* wg = wt + (long long)grp * N * Cpad + k * CC;
+    T part[CC];
+#pragma unroll
+    for (int c = 0; c < CC; ++c) part[c] = T(0);
+    for (int m0 = c0 + ct; m0 < c1; m0 += NC * TPC) {
+      long long co[NC];  // the columns' offsets in gamma, where ok
+      bool ok[NC];
+#pragma unroll
+      for (int n = 0; n < NC; ++n) {
+        const int a = m0 + n * TPC, cl = a / KK, u = a % KK / KW, v = a % KW;
+        const int x = i * SH + u * DH - PH, y = j * SW + v * DW - PW;
+        ok[n] = a < c1 && x >= 0 && x < H && y >= 0 && y < W;
+        co[n] = cl * sc1 + x * sx1 + y * sy1;
+      }
+      T U[NC][CC];
+#pragma unroll
+      for (int n = 0; n < NC; ++n)
+#pragma unroll
+        for (int c = 0; c < CC; ++c) U[n][c] = T(0);
+      int cl = r0 / KK, u = r0 % KK / KW, v = r0 % KW;
+      for (int a = r0; a < r1; ++a) {
+        const int x = i * SH + u * DH - PH, y = j * SW + v * DW - PW;
+        if (x >= 0 && x < H && y >= 0 && y < W) {
+          const T* gr = g0 + cl * sc + x * sx + y * sy;
+          T gv[NC];
+#pragma unroll
+          for (int n = 0; n < NC; ++n) gv[n] = ok[n] ? __ldg(gr + co[n]) : T(0);
+          const WV wv = *(const WV*)(wg + a * Cpad);
+#pragma unroll
+          for (int n = 0; n < NC; ++n)
+#pragma unroll
+            for (int c = 0; c < CC; ++c) U[n][c] += wv.x[c] * gv[n];
+        }
+        if (++v == KW) {
+          v = 0;
+          if (++u == KH) u = 0, ++cl;
+        }
+      }
+#pragma unroll
+      for (int n = 0; n < NC; ++n) {
+        if (m0 + n * TPC >= c1) break;
+        const WV wc = *(const WV*)(wg + (m0 + n * TPC) * Cpad);
+#pragma unroll
+        for (int c = 0; c < CC; ++c) part[c] += U[n][c] * wc.x[c];
+      }
+    }
+    const long long plane = (long long)rows * Wo * S;  // between output channels
+    T* p = P + ((long long)(b * G + grp) * Cpad + k * CC) * plane + ((long long)ii * Wo + j) * S
+           + rs * TPC + ct;
+#pragma unroll
+    for (int c = 0; c < CC; ++c) p[c * plane] = part[c];
+  }
+}
 """
 
 _OPTIONS = ("-std=c++14",)
@@ -427,6 +540,78 @@ def symmetrize(A, D):
             (np.uint64(A.data_ptr()), np.uint64(D.data_ptr()), np.int64(r), np.int64(B),
              np.int32(vec)))
     return D
+
+
+#: ``var_forms``' output channels a thread sums at once (at most), by item size (H100, the
+#: kernel alone, float32: 16 against 8 channels, 16ch layer 0.63 against 0.87 ms, strided
+#: 0.41 against 0.55 ms), and the columns it takes together.
+VAR_CC = {4: 16, 8: 8}
+VAR_NC = 2
+#: Threads a launch should have (row segments are added until it does; strided layer 0.66
+#: -> 0.41 ms against 2^15) and the partial sums a launch may hold (output rows are split
+#: over launches past it).
+VAR_THREADS = 1 << 17
+VAR_PARTIALS = 1 << 24
+
+
+def var_plan(B, G, Cg, Cpg, KK, Ho, Wo, diag, itemsize):
+    """``var_forms``' split of one call: ``(CC, chunks, TPC, RS, rows)``: ``CC`` output
+    channels a thread (the fewest powers of two that cover ``Cpg``, at most ``VAR_CC``) in
+    ``chunks``; ``TPC`` threads share a position's columns (a power of two, at most 32,
+    each at least 8 columns) and ``RS`` its rows (the channels of a channel-diagonal gamma;
+    otherwise segments of at least 32 rows, until ``VAR_THREADS``); ``rows`` output rows a
+    launch."""
+    CC = 1
+    while CC < min(Cpg, VAR_CC[itemsize]):
+        CC *= 2
+    chunks = -(-Cpg // CC)
+    cols = KK if diag else Cg * KK
+    TPC = 1
+    while TPC < 32 and 16 * TPC <= cols:
+        TPC *= 2
+    RS = Cg if diag else 1
+    while not diag and B * G * Ho * Wo * chunks * TPC * RS < VAR_THREADS and cols >= 64 * RS:
+        RS *= 2
+    rows = max(1, min(Ho, VAR_PARTIALS // (B * G * chunks * CC * Wo * TPC * RS)))
+    return CC, chunks, TPC, RS, rows
+
+
+def var_forms(g, w, stride, padding, dilation, G, diag):
+    """The diagonal of ``K gamma K^T``, ``(B, Co, Ho, Wo)``, for torch CUDA tensors of one
+    dtype (float32 or float64, any strides): ``gamma`` full ``(B, Ci, H, W, Ci, H, W)``, or
+    channel-diagonal ``(B, Ci, H, W, H, W)`` where ``diag``; ``w`` ``(Co, Ci / G, kh,
+    kw)``. A new tensor, queued on torch's current stream: ``var_forms``' partial sums,
+    then their sum."""
+    torch = sys.modules["torch"]
+    B, Ci, H, W = g.shape[:4]
+    Co, Cg, kh, kw = w.shape
+    Cpg, N = Co // G, Cg * kh * kw
+    (sh, sw), (ph, pw), (dh, dw) = stride, padding, dilation
+    Ho = (H + 2 * ph - dh * (kh - 1) - 1) // sh + 1
+    Wo = (W + 2 * pw - dw * (kw - 1) - 1) // sw + 1
+    v = torch.empty((B, G, Cpg, Ho, Wo), dtype=g.dtype, device=g.device)
+    if v.numel() == 0:
+        return v.reshape(B, Co, Ho, Wo)
+    CC, chunks, TPC, RS, rows = var_plan(B, G, Cg, Cpg, kh * kw, Ho, Wo, diag, g.element_size())
+    wt = torch.zeros((G, N, chunks * CC), dtype=g.dtype, device=g.device)
+    wt[:, :, :Cpg] = w.reshape(G, Cpg, N).transpose(1, 2)
+    st = g.stride()
+    st = st[1:] if not diag else (*st[1:4], 0, *st[4:])  # (sc, sx, sy, sc1, sx1, sy1)
+    T = {torch.float32: "float", torch.float64: "double"}[g.dtype]
+    i32, i64 = np.int32, np.int64
+    for i0 in range(0, Ho, rows):
+        r = min(rows, Ho - i0)
+        P = torch.empty((B, G, chunks * CC, r, Wo, TPC * RS), dtype=g.dtype, device=g.device)
+        total = B * G * r * Wo * chunks * TPC * RS
+        _launch(f"var_forms<{T}, {CC}, {VAR_NC}>", g.device, (min(-(-total // 128), 1 << 22),),
+                128, (np.uint64(g.data_ptr()), np.uint64(wt.data_ptr()), np.uint64(P.data_ptr()),
+                      i64(g.stride(0)), *map(i64, st), *map(i32, (
+                          Cg, G, H, W, Wo, kh, kw, sh, sw, ph, pw, dh, dw, B, i0, r, chunks,
+                          TPC, RS, diag))))
+        if r == Ho:
+            return P[:, :, :Cpg].sum(-1).reshape(B, Co, Ho, Wo)
+        v[:, :, :, i0:i0 + r] = P[:, :, :Cpg].sum(-1)
+    return v.reshape(B, Co, Ho, Wo)
 
 
 def _launch(expr, device, grid, block, args):
