@@ -890,7 +890,9 @@ def _carried_variances(o, call, g, w):
     gamma, one for each rectangle of positions whose windows have the same kernel
     offsets inside the image (:meth:`_Call.runs`: the inner rectangle, the edges, the
     corners), into one buffer whose terms in the padding are 0: all positions share one
-    matmul."""
+    matmul. On CUDA, for a channel-diagonal gamma or windows of at most ``VAR_MAX_N``
+    entries, the forms are read from gamma where it lies instead, by
+    :func:`convcov.backends._cupy_moments.var_forms`."""
     B, Ci, G, Co, Ho, Wo = call.B, call.Ci, call.G, call.Co, call.Ho, call.Wo
     Cg, Cpg, kh, kw = Ci // G, Co // G, call.kh, call.kw
     if call.gamma_form == "var":  # independent entries: the squared weights
