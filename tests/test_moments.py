@@ -491,33 +491,11 @@ _VAR_CASES = [  # (B, Ci, Co, G, H, W, k, stride, padding, dilation)
 ]
 
 
-def _var_by_blocks(gamma, w, G, s, p, d, diag):
-    """The variances of K gamma K^T in float64: each position's block of gamma (the
-    entries its windows read, in the image) and each output channel's quadratic form."""
-    B, Ci, H, W = gamma.shape[:4]
-    Co, Cg, kh, kw = w.shape
-    Ho, Wo = out_size(H, kh, s[0], p[0], d[0]), out_size(W, kw, s[1], p[1], d[1])
-    flat = gamma.reshape(B, Ci, H * W, -1).astype(np.float64)
-    v = np.zeros((B, Co, Ho, Wo))
-    for b, o, i, j in itertools.product(range(B), range(Co), range(Ho), range(Wo)):
-        g = o // (Co // G)
-        ent = [(cl, x * W + y, w[o, cl, u, t]) for cl, u, t in
-               itertools.product(range(Cg), range(kh), range(kw))
-               for x, y in [(i * s[0] + u * d[0] - p[0], j * s[1] + t * d[1] - p[1])]
-               if 0 <= x < H and 0 <= y < W]
-        for (c0, q0, w0), (c1, q1, w1) in itertools.product(ent, ent):
-            if diag and c0 != c1:
-                continue
-            col = q1 if diag else (g * Cg + c1) * H * W + q1
-            v[b, o, i, j] += float(w0) * float(w1) * flat[b, g * Cg + c0, q0, col]
-    return v
-
-
 def test_var_kernel_matches_the_definition(tmp_path, monkeypatch):
     """The variances layout's CUDA kernel (convcov.backends._cupy_moments.var_forms), its
     source built on the host as C++, every block and thread in turn, driven by the
-    backend's own split, launches and sums of the partial sums: each position's quadratic
-    forms of its block of gamma, by literal loops, for full and channel-diagonal gamma (views
+    backend's own split, launches and sums of the partial sums: the diagonal of K gamma
+    K^T by the literal-loops reference, for full and channel-diagonal gamma (views
     with their axes' strides permuted), float32 and float64, with stride, padding,
     dilation, groups, ragged chunks of channels, rows wholly in the padding, row segments
     and output rows over several launches, on the backend's grid and on one block; then
@@ -557,7 +535,8 @@ def test_var_kernel_matches_the_definition(tmp_path, monkeypatch):
         mem = torch.tensor(a["gamma"].transpose(order), dtype=dt).contiguous()
         g = mem.permute(np.argsort(order).tolist())
         w = torch.tensor(a["weight"], dtype=dt)
-        want = _var_by_blocks(a["gamma"], a["weight"], G, s, p, d, form == "diag")
+        want = in_layout(reference(a["mu"], a["gamma"], a["weight"], stride=s, padding=p,
+                                   dilation=d, groups=G)[1], "var")
         tol = (1e-5 if dt == torch.float32 else 1e-12) * np.abs(want).max()
         for threads, partials, one_block[0] in ((1 << 17, 1 << 24, False), (1 << 30, 64, False),
                                                 (1 << 30, 1 << 24, True)):

@@ -589,14 +589,14 @@ def var_forms(g, w, stride, padding, dilation, G, diag):
     (sh, sw), (ph, pw), (dh, dw) = stride, padding, dilation
     Ho = (H + 2 * ph - dh * (kh - 1) - 1) // sh + 1
     Wo = (W + 2 * pw - dw * (kw - 1) - 1) // sw + 1
-    v = torch.empty((B, G, Cpg, Ho, Wo), dtype=g.dtype, device=g.device)
-    if v.numel() == 0:
-        return v.reshape(B, Co, Ho, Wo)
+    if B * Co * Ho * Wo == 0:
+        return torch.empty((B, Co, Ho, Wo), dtype=g.dtype, device=g.device)
     CC, chunks, TPC, RS, rows = var_plan(B, G, Cg, Cpg, kh * kw, Ho, Wo, diag, g.element_size())
     wt = torch.zeros((G, N, chunks * CC), dtype=g.dtype, device=g.device)
     wt[:, :, :Cpg] = w.reshape(G, Cpg, N).transpose(1, 2)
-    st = g.stride()
-    st = st[1:] if not diag else (*st[1:4], 0, *st[4:])  # (sc, sx, sy, sc1, sx1, sy1)
+    sb, *st = g.stride()
+    if diag:  # no second channel axis: its stride 0
+        st = (*st[:3], 0, *st[3:])
     T = {torch.float32: "float", torch.float64: "double"}[g.dtype]
     i32, i64 = np.int32, np.int64
     for i0 in range(0, Ho, rows):
@@ -605,12 +605,15 @@ def var_forms(g, w, stride, padding, dilation, G, diag):
         total = B * G * r * Wo * chunks * TPC * RS
         _launch(f"var_forms<{T}, {CC}, {VAR_NC}>", g.device, (min(-(-total // 128), 1 << 22),),
                 128, (np.uint64(g.data_ptr()), np.uint64(wt.data_ptr()), np.uint64(P.data_ptr()),
-                      i64(g.stride(0)), *map(i64, st), *map(i32, (
+                      *map(i64, (sb, *st)), *map(i32, (
                           Cg, G, H, W, Wo, kh, kw, sh, sw, ph, pw, dh, dw, B, i0, r, chunks,
                           TPC, RS, diag))))
+        part = P[:, :, :Cpg].sum(-1)
         if r == Ho:
-            return P[:, :, :Cpg].sum(-1).reshape(B, Co, Ho, Wo)
-        v[:, :, :, i0:i0 + r] = P[:, :, :Cpg].sum(-1)
+            return part.reshape(B, Co, Ho, Wo)
+        if i0 == 0:
+            v = torch.empty((B, G, Cpg, Ho, Wo), dtype=g.dtype, device=g.device)
+        v[:, :, :, i0:i0 + r] = part
     return v.reshape(B, Co, Ho, Wo)
 
 
