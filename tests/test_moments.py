@@ -505,7 +505,7 @@ def test_var_kernel_matches_the_definition(tmp_path, monkeypatch):
 
     from convcov.backends import _cupy_moments as cupy_moments
 
-    names = [n for n in re.findall(r"(\w+)(?:,|$)", _VAR_PARAMS)]
+    names = re.findall(r"(\w+)(?:,|$)", _VAR_PARAMS)
     inst = [(T, cc) for T, ccs in (("float", (1, 2, 4, 8, 16)), ("double", (1, 2, 4, 8)))
             for cc in ccs]
     drivers = "".join(

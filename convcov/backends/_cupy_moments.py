@@ -493,6 +493,12 @@ def _kernel(expr, dev):
     return f
 
 
+def _out_size(H, W, kh, kw, stride, padding, dilation):
+    """The output's ``(Ho, Wo)``."""
+    return tuple((n + 2 * p - d * (k - 1) - 1) // s + 1
+                 for n, k, s, p, d in zip((H, W), (kh, kw), stride, padding, dilation))
+
+
 def rows_conv(X, w, stride, padding, dilation, G, transposed=False):
     """``Y`` above for torch float32 CUDA tensors ``X`` ``(B, Ci, H, W, N)`` and ``w``
     ``(Co, Ci / G, kh, kw)``; a new contiguous tensor, queued on torch's current
@@ -501,9 +507,8 @@ def rows_conv(X, w, stride, padding, dilation, G, transposed=False):
     B, Ci, H, W, N = X.shape
     Co, Cg, kh, kw = w.shape
     Cpg = Co // G
-    (sh, sw), (ph, pw), (dh, dw) = stride, padding, dilation
-    Ho = (H + 2 * ph - dh * (kh - 1) - 1) // sh + 1
-    Wo = (W + 2 * pw - dw * (kw - 1) - 1) // sw + 1
+    ph, pw = padding
+    Ho, Wo = _out_size(H, W, kh, kw, stride, padding, dilation)
     Y = torch.empty((B, N, Co, Ho, Wo) if transposed else (B, Co, Ho, Wo, N), dtype=X.dtype,
                     device=X.device)
     if Y.numel() == 0:
@@ -587,8 +592,7 @@ def var_forms(g, w, stride, padding, dilation, G, diag):
     Co, Cg, kh, kw = w.shape
     Cpg, N = Co // G, Cg * kh * kw
     (sh, sw), (ph, pw), (dh, dw) = stride, padding, dilation
-    Ho = (H + 2 * ph - dh * (kh - 1) - 1) // sh + 1
-    Wo = (W + 2 * pw - dw * (kw - 1) - 1) // sw + 1
+    Ho, Wo = _out_size(H, W, kh, kw, stride, padding, dilation)
     if B * Co * Ho * Wo == 0:
         return torch.empty((B, Co, Ho, Wo), dtype=g.dtype, device=g.device)
     CC, chunks, TPC, RS, rows = var_plan(B, G, Cg, Cpg, kh * kw, Ho, Wo, diag, g.element_size())
