@@ -83,11 +83,6 @@ _CL_CHUNK = 2 << 20
 #: and diag 37.4 -> 27.2 ms; with 32 and 64 a group cuDNN's are faster (strided full 7.1
 #: against 10.5 ms, 64ch 30.9 against 49.5 ms).
 ROWS_MAX_CPG = 16
-#: On CUDA, full gamma's variances by the kernel (:func:`_carried_variances`) up to this many
-#: entries ``Cg kh kw`` a window, above by copies of the blocks and a matmul: H100, var of
-#: the 16-channel layer (144) 1.27 -> 0.89 ms, strided (288) 0.66 -> 0.58 ms; of the
-#: 64-channel one (576) 2.05 ms by the copies, 3.70 by the kernel.
-VAR_MAX_N = 288
 
 
 @dataclass
@@ -668,8 +663,17 @@ def _carried(o, call, g, w):
         return _carried_variances(o, call, g, w)
     if form == "var":
         g, form = _embed(o, call, g), "diag"
-    if form == "full" and layout == "full" and Cg == 1 and o.device_type in DENSE_DEPTHWISE_ON:
-        return _depthwise_dense(o, call, g, w)
+    if form == "full" and layout == "full" and Cg == 1:
+        if o.kernels(g, w):
+            from .backends import _cupy_moments
+
+            ring = _cupy_moments.depthwise_ring(W, kh, call.dilation[0], g.element_size())
+            # one pass over gamma (H100, depthwise full 15.2 -> 6.9 ms, at 8x8 2.4 -> 0.69 ms)
+            if ring <= _cupy_moments._SHARED_BYTES:
+                return _cupy_moments.depthwise_full(g, w, call.stride, call.padding,
+                                                    call.dilation, G)
+        if o.device_type in DENSE_DEPTHWISE_ON:
+            return _depthwise_dense(o, call, g, w)
     rows = form == "full" and Cpg <= ROWS_MAX_CPG and o.rows(g, w)
     if rows and layout == "full":
         return _rows_full(o, call, g, w)
@@ -890,15 +894,14 @@ def _carried_variances(o, call, g, w):
     gamma, one for each rectangle of positions whose windows have the same kernel
     offsets inside the image (:meth:`_Call.runs`: the inner rectangle, the edges, the
     corners), into one buffer whose terms in the padding are 0: all positions share one
-    matmul. On CUDA, for a channel-diagonal gamma or windows of at most ``VAR_MAX_N``
-    entries, the forms are read from gamma where it lies instead, by
+    matmul. On CUDA the forms are read from gamma where it lies instead, by
     :func:`convcov.backends._cupy_moments.var_forms`."""
     B, Ci, G, Co, Ho, Wo = call.B, call.Ci, call.G, call.Co, call.Ho, call.Wo
     Cg, Cpg, kh, kw = Ci // G, Co // G, call.kh, call.kw
     if call.gamma_form == "var":  # independent entries: the squared weights
         return o.conv(g[..., None], (w * w)[..., None], G, call.last)[..., 0]
     full = call.gamma_form == "full"
-    if o.kernels(g, w) and (not full or Cg * kh * kw <= VAR_MAX_N):
+    if o.kernels(g, w):
         # the forms read from gamma where it is, no copies of the blocks
         from .backends._cupy_moments import var_forms
 

@@ -327,6 +327,9 @@ def test_cuda_arrays_match_the_definition(kind, geometry, form):
 _ROWS_PRELUDE = r"""
 #include <array>
 #include <cmath>
+#include <condition_variable>
+#include <mutex>
+#include <thread>
 #include <cstdlib>
 #include <cstring>
 #include <vector>
@@ -338,7 +341,20 @@ static float4 make_float4(float x, float y, float z, float w) { return {x, y, z,
 #define __launch_bounds__(...)
 #define __restrict__
 struct dim3_ { unsigned x, y, z; };
-static dim3_ threadIdx, blockIdx, blockDim, gridDim;
+static thread_local dim3_ threadIdx, blockIdx;  // a host thread a CUDA thread (var_tiles)
+static dim3_ blockDim, gridDim;
+// A block's shared memory: the kernel's statics, the host threads running one block at a time
+#define __shared__ static
+#define __align__(n) __attribute__((aligned(n)))
+static std::mutex bar_m;
+static std::condition_variable bar_cv;
+static int bar_n = 1, bar_count = 0, bar_gen = 0;
+static void __syncthreads() {
+  std::unique_lock<std::mutex> lock(bar_m);
+  const int gen = bar_gen;
+  if (++bar_count == bar_n) bar_count = 0, ++bar_gen, bar_cv.notify_all();
+  else bar_cv.wait(lock, [&] { return gen != bar_gen; });
+}
 template <class T> static T __ldg(const T* p) { return *p; }
 // The warp's mma by replay: a driver runs each lane of a warp in turn twice; the first pass
 // logs every lane's operands of each call, the second computes D from the whole warp's
@@ -488,12 +504,14 @@ _VAR_CASES = [  # (B, Ci, Co, G, H, W, k, stride, padding, dilation)
     (2, 2, 2, 2, 5, 5, (3, 3), (2, 2), (1, 1), (1, 1)),  # depthwise
     (1, 21, 17, 1, 4, 3, (3, 3), (1, 1), (1, 1), (1, 1)),  # 16 column threads, two chunks
     (1, 1, 3, 1, 4, 5, (5, 5), (1, 1), (3, 0), (1, 1)),  # rows wholly in the padding
+    (1, 9, 70, 1, 3, 4, (3, 3), (1, 1), (1, 1), (1, 1)),  # tiles: two chunks, ragged columns
 ]
 
 
 def test_var_kernel_matches_the_definition(tmp_path, monkeypatch):
-    """The variances layout's CUDA kernel (convcov.backends._cupy_moments.var_forms), its
-    source built on the host as C++, every block and thread in turn, driven by the
+    """The variances layout's CUDA kernels (convcov.backends._cupy_moments.var_forms, and
+    var_tiles for full gamma), their source built on the host as C++, every block and
+    thread in turn (var_tiles: a host thread each, for the block's syncs), driven by the
     backend's own split, launches and sums of the partial sums: the diagonal of K gamma
     K^T by the literal-loops reference, for full and channel-diagonal gamma (views
     with their axes' strides permuted), float32 and float64, with stride, padding,
@@ -514,15 +532,25 @@ def test_var_kernel_matches_the_definition(tmp_path, monkeypatch):
         f"for (unsigned t = 0; t < 128; ++t) {{ blockIdx.x = x; threadIdx.x = t; "
         f"var_forms<{T}, {cc}, {cupy_moments.VAR_NC}>({', '.join(names)}); }} }}\n"
         for T, cc in inst)
+    # var_tiles: a host thread for each of a block's 128 threads, the blocks in turn
+    tiles = _VAR_PARAMS.replace("int TPC, int RS, int diag", "int tiles")
+    drivers += "".join(
+        f'extern "C" void tiles_{T}_{ct}(unsigned grid, {tiles.replace("T*", T + "*")}) '
+        f"{{ gridDim.x = grid; blockDim.x = bar_n = 128; std::vector<std::thread> ts; "
+        f"for (unsigned t = 0; t < 128; ++t) ts.emplace_back([=] {{ threadIdx.x = t; "
+        f"for (unsigned x = 0; x < grid; ++x) {{ blockIdx.x = x; var_tiles<{T}, {ct}>"
+        f"({', '.join(names[:-3])}, tiles); __syncthreads(); }} }}); "
+        f"for (auto& th : ts) th.join(); }}\n"
+        for T in ("float", "double") for ct in (16, 32, 64))
     lib = host_build(tmp_path, _ROWS_PRELUDE + cupy_moments.SOURCE + drivers)
     one_block = [False]
 
     def launch(expr, device, grid, block, args):
-        T, cc, _ = re.fullmatch(r"var_forms<(\w+), (\d+), (\d+)>", expr).groups()
+        kernel, T, cc = re.fullmatch(r"var_(forms|tiles)<(\w+), (\d+)(?:, \d+)*>", expr).groups()
         assert block == 128
         conv = {np.uint64: ctypes.c_void_p, np.int64: ctypes.c_longlong, np.int32: ctypes.c_int}
-        getattr(lib, f"run_{T}_{cc}")(ctypes.c_uint(1 if one_block[0] else grid[0]),
-                                      *(conv[type(a)](int(a)) for a in args))
+        getattr(lib, f"{'run' if kernel == 'forms' else 'tiles'}_{T}_{cc}")(
+            ctypes.c_uint(1 if one_block[0] else grid[0]), *(conv[type(a)](int(a)) for a in args))
 
     monkeypatch.setattr(cupy_moments, "_launch", launch)
     rng = np.random.default_rng(12)
@@ -538,8 +566,10 @@ def test_var_kernel_matches_the_definition(tmp_path, monkeypatch):
         want = in_layout(reference(a["mu"], a["gamma"], a["weight"], stride=s, padding=p,
                                    dilation=d, groups=G)[1], "var")
         tol = (1e-5 if dt == torch.float32 else 1e-12) * np.abs(want).max()
-        for threads, partials, one_block[0] in ((1 << 17, 1 << 24, False), (1 << 30, 64, False),
-                                                (1 << 30, 1 << 24, True)):
+        for (threads, partials, one_block[0]), tiled in itertools.product(
+                ((1 << 17, 1 << 24, False), (1 << 30, 64, False), (1 << 30, 1 << 24, True)),
+                (False, True) if form == "full" else (False,)):
+            monkeypatch.setattr(cupy_moments, "VAR_TILED_N", 0 if tiled else 1 << 30)
             monkeypatch.setattr(cupy_moments, "VAR_THREADS", threads)
             monkeypatch.setattr(cupy_moments, "VAR_PARTIALS", partials)
             v = cupy_moments.var_forms(g, w, s, p, d, G, form == "diag")
@@ -559,6 +589,86 @@ def test_var_kernel_matches_the_definition(tmp_path, monkeypatch):
         np.testing.assert_allclose(v.numpy(), in_layout(cov, "var"), rtol=1e-12)
 
 
+_DEPTHWISE_CASES = [  # (B, Ci, Co, H, W, k, stride, padding, dilation); groups = Ci
+    (2, 3, 3, 5, 6, (3, 3), (1, 1), (1, 1), (1, 1)),
+    (1, 2, 4, 7, 5, (3, 2), (2, 1), (1, 0), (1, 2)),  # two output channels an input one
+    (1, 2, 2, 6, 6, (5, 5), (1, 1), (2, 2), (1, 1)),
+    (1, 1, 1, 12, 12, (3, 3), (1, 1), (1, 1), (1, 1)),  # two tiles of positions, ragged
+    (1, 2, 2, 5, 5, (1, 1), (2, 2), (0, 0), (1, 1)),  # rows that no output reads
+    (1, 1, 1, 4, 4, (3, 3), (1, 1), (3, 0), (1, 1)),  # rows wholly in the padding
+    (1, 1, 2, 4, 13, (3, 3), (1, 1), (1, 1), (2, 1)),  # long rows, a ragged quad
+]
+
+
+def test_depthwise_kernel_matches_literal_loops(tmp_path, monkeypatch):
+    """The full layout's CUDA kernel for one input channel a group
+    (convcov.backends._cupy_moments.depthwise_full), its source built on the host as C++,
+    every block and thread in turn (a host thread each, for the block's syncs), on the
+    backend's grid and on a grid of one block: K gamma K^T by literal loops for a
+    nonsymmetric gamma (a view with permuted strides), float32 and float64, with stride,
+    padding, dilation, several output channels an input channel, ragged quads and tiles;
+    then conv2d_moments' full layout through it."""
+    import ctypes
+
+    from convcov.backends import _cupy_moments as cupy_moments
+
+    params = ("const T* g, const T* w, T* A, long long sb, long long sc, long long sx, "
+              "long long sy, long long sc1, long long sx1, long long sy1, int M, int Co, "
+              "int H, int W, int Ho, int Wo, int PH, int PW, long long items")
+    names = ", ".join(a.split()[-1] for a in params.split(", "))
+    exprs = sorted({cupy_moments.depthwise_name(T, k, s, d) for T in ("float", "double")
+                    for _, _, _, _, _, k, s, _, d in _DEPTHWISE_CASES})
+    drivers = "".join(
+        f'extern "C" void dw_{i}(unsigned grid, {params.replace("T*", e[15:e.index(",")] + "*")}) '
+        f"{{ gridDim.x = grid; blockDim.x = bar_n = 128; std::vector<std::thread> ts; "
+        f"for (unsigned t = 0; t < 128; ++t) ts.emplace_back([=] {{ threadIdx.x = t; "
+        f"for (unsigned x = 0; x < grid; ++x) {{ blockIdx.x = x; {e}({names}); "
+        f"__syncthreads(); }} }}); for (auto& th : ts) th.join(); }}\n"
+        for i, e in enumerate(exprs))
+    lib = host_build(tmp_path, _ROWS_PRELUDE + cupy_moments.SOURCE + drivers)
+    one_block, seen = [False], []
+
+    def launch(expr, device, grid, block, args, shared_mem=0):
+        assert block == 128 and shared_mem <= 48 << 10
+        seen.append(expr)
+        conv = {np.uint64: ctypes.c_void_p, np.int64: ctypes.c_longlong, np.int32: ctypes.c_int}
+        getattr(lib, f"dw_{exprs.index(expr)}")(ctypes.c_uint(1 if one_block[0] else grid[0]),
+                                                *(conv[type(a)](int(a)) for a in args))
+
+    monkeypatch.setattr(cupy_moments, "_launch", launch)
+    rng = np.random.default_rng(13)
+    for case, dt, one_block[0] in itertools.product(
+            _DEPTHWISE_CASES, (torch.float32, torch.float64), (False, True)):
+        B, Ci, Co, H, W, k, s, p, d = case
+        a = problem(rng, B, Ci, Co, Ci, H, W, k, "full", "none", "none", sym=False)
+        order = (0, 4, 1, 5, 2, 6, 3)  # gamma's memory in another order
+        mem = torch.tensor(a["gamma"].transpose(order), dtype=dt).contiguous()
+        g = mem.permute(np.argsort(order).tolist())
+        w = torch.tensor(a["weight"], dtype=dt)
+        want = reference(a["mu"], a["gamma"], a["weight"], stride=s, padding=p, dilation=d,
+                         groups=Ci)[1]
+        A = cupy_moments.depthwise_full(g, w, s, p, d, Ci)
+        assert A.dtype == dt and A.shape == want.shape
+        tol = (1e-5 if dt == torch.float32 else 1e-12) * np.abs(want).max()
+        np.testing.assert_allclose(A.numpy(), want, rtol=0, atol=tol)
+    # conv2d_moments' full layout with the kernel, then the symmetrisation (emulated)
+    monkeypatch.setattr(moments._TorchOps, "kernels", lambda self, *xs: True)
+    monkeypatch.setattr(cupy_moments, "symmetrize",
+                        lambda A, D: D.copy_(0.5 * A + 0.5 * A.transpose(1, 2)))
+    one_block[0], seen[:] = False, []
+    B, Ci, Co, H, W, k, s, p, d = _DEPTHWISE_CASES[1]
+    a = problem(rng, B, Ci, Co, Ci, H, W, k, "full", "channel", "number")
+    mean, cov = reference(**a, stride=s, padding=p, dilation=d, groups=Ci)
+    t = {n: None if v is None else torch.as_tensor(v) for n, v in a.items()}
+    mo, go = convcov.conv2d_moments(t["mu"], t["gamma"], t["weight"], t["bias"], t["c"],
+                                    c_bias=a["c_bias"], stride=s, padding=p, dilation=d,
+                                    groups=Ci, out_layout="full")
+    assert seen == [cupy_moments.depthwise_name("double", k, s, d)]
+    np.testing.assert_allclose(mo.numpy(), mean, rtol=1e-12)
+    np.testing.assert_allclose(go.numpy(), cov, rtol=1e-10, atol=1e-12 * np.abs(cov).max())
+    assert torch.equal(go, torch.as_tensor(transposed(go.numpy(), "full")))
+
+
 def test_the_kernels_compile_for_the_gpu():
     """The CUDA source through NVRTC for the H100/H200's architecture (no GPU needed), with
     the rows kernel's instantiations the layers of the moments suite take, both
@@ -573,6 +683,8 @@ def test_the_kernels_compile_for_the_gpu():
     names += ["symmetrize<float>", "symmetrize<double>"]
     names += [f"var_forms<{T}, {cc}, {cupy_moments.VAR_NC}>"
               for T, cc in (("float", 1), ("float", 16), ("double", 8))]
+    names += [f"var_tiles<{T}, {ct}>" for T, ct in (("float", 16), ("float", 64), ("double", 64))]
+    names += [cupy_moments.depthwise_name(T, (3, 3), (1, 1), (1, 1)) for T in ("float", "double")]
     err, prog = nvrtc.nvrtcCreateProgram(cupy_moments.SOURCE.encode(), b"rows.cu", 0, [], [])
     try:
         for n in names:

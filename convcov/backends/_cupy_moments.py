@@ -1,9 +1,10 @@
 """``conv2d_moments``' own CUDA kernels (CUDA C++ compiled by CuPy): the convolution of a
-covariance's rows, the symmetrisation, and the variances layout's quadratic forms.
+covariance's rows, the symmetrisation, the variances layout's quadratic forms, and a
+depthwise layer's full layout.
 
-Owns ``SOURCE``'s kernels ``rows_conv``, ``symmetrize`` and ``var_forms``, their
-compilation (one ``cupy.RawModule`` an instantiation, once per process) and their launch
-on torch CUDA tensors, on torch's current stream.
+Owns ``SOURCE``'s kernels ``rows_conv``, ``symmetrize``, ``var_forms``, ``var_tiles`` and
+``depthwise_full``, their compilation (one ``cupy.RawModule`` an instantiation, once per
+process) and their launch on torch CUDA tensors, on torch's current stream.
 
 ``var_forms``: each output variance is the quadratic form ``w^T block w`` of its output
 channel's weights ``w`` (``N = Cg kh kw`` of them) with the ``(N, N)`` block of gamma that
@@ -13,6 +14,9 @@ of its rows for up to 16 output channels (8 in float64), and writes its partial 
 sum over a position's threads follows (a torch sum: no atomics, the same bits every run).
 The threads of a warp take neighbouring columns of one position, and the threads of one
 position's chunks of channels run in one block, reading the same entries of gamma.
+``var_tiles`` makes the same partial sums for a full gamma's larger windows as a product
+of tiles staged in shared memory: a block takes one position, up to 64 output channels and
+64 columns, and reads each entry of the block once.
 
 ``symmetrize`` writes ``(A + A^T) / 2`` of each square matrix of a stack, in place or into
 another array: a thread takes a tile on or right of the diagonal and its mirror, reads both
@@ -49,6 +53,12 @@ row) and the rest along ``n``. The grid's x is the output row and column tile, f
 that the blocks running together read the same input rows from L2; y the tile of ``n``; z
 ``(b, group, channel tile)``. Tiles of n and z beyond the grid's limits (65535) are looped
 over. Warp-uniform: every branch around an ``mma.sync`` (all lanes must take it).
+
+``depthwise_full``: ``K gamma K^T`` for one input channel a group, both convolutions in one
+pass over gamma: a block takes a pair of output channels and 64 positions of the right
+index set; for each input row the left windows read it makes the right convolution of
+that row's entries into a ring in shared memory, then the left convolution from the ring
+(the kernel's comment has the details). Its result is symmetrised afterwards, as the others.
 
 Must not: wait on the host; import cupy before it is used.
 """
@@ -436,6 +446,221 @@ __global__ void __launch_bounds__(128) var_forms(
     for (int c = 0; c < CC; ++c) p[c * plane] = part[c];
   }
 }
+
+// The same partial sums by tiles staged in shared memory: a block takes output position
+// (i0 + ii, j) of image b and group grp, the CT output channels of chunk k and the NT
+// columns a' of tile n, and writes, for each channel c of the chunk,
+//   P[b, grp, k CT + c, ii, j, n] = sum over the tile's a' and all a of
+//                                   w[c, a'] w[c, a] gamma[a(i, j), a'(i, j)].
+// U[c][a'] = sum_a w[c, a] gamma[a, a'] is a product of tiles: for each KT rows a, the
+// block stages those rows of its columns of gamma (each entry read once) and of the
+// weights, and each thread adds a TM x TN piece of the product (TM channels, TN columns)
+// from shared memory; then each thread sums U w[c, a'] over its columns, and the block
+// those sums over its threads of a channel. For full gamma (a channel-diagonal one's
+// blocks are sparse: var_forms).
+template <typename T, int CT>
+__global__ void __launch_bounds__(128) var_tiles(
+    const T* __restrict__ g, const T* __restrict__ wt, T* __restrict__ P, long long sb,
+    long long sc, long long sx, long long sy, long long sc1, long long sx1, long long sy1,
+    int Cg, int G, int H, int W, int Wo, int KH, int KW, int SH, int SW, int PH, int PW,
+    int DH, int DW, int B, int i0, int rows, int chunks, int tiles)
+{
+  constexpr int KT = 16, NT = 64, TM = CT / 16, TN = NT / 8;
+  __shared__ __align__(16) T gs[KT][NT];
+  __shared__ __align__(16) T ws[KT][CT];
+  __shared__ T red[8][CT];
+  __shared__ long long ro[2][KT];  // rows' offsets in gamma, -1 outside the block
+  struct alignas(TM * sizeof(T) < 16 ? TM * sizeof(T) : 16) WV { T x[TM]; };
+  struct alignas(16) GV { T x[TN]; };
+  const int KK = KH * KW, N = Cg * KK, tc = threadIdx.x % 16, tn = threadIdx.x / 16;
+  // a thread stages column e0 of the tile of gamma, its rows r0, r0 + 2, ...
+  const int e0 = threadIdx.x % NT, r0 = threadIdx.x / NT;
+  const long long Cpad = (long long)chunks * CT;
+  const long long total = (long long)B * G * rows * Wo * chunks * tiles;
+  for (long long t = blockIdx.x; t < total; t += gridDim.x) {
+    long long q = t;
+    const int n = (int)(q % tiles);
+    q /= tiles;
+    const int k = (int)(q % chunks);
+    q /= chunks;
+    const int j = (int)(q % Wo);
+    q /= Wo;
+    const int ii = (int)(q % rows);
+    q /= rows;
+    const int grp = (int)(q % G), b = (int)(q / G), i = i0 + ii;
+    const T* g0 = g + b * sb + (long long)grp * Cg * (sc + sc1);
+    const T* wg = wt + (long long)grp * N * Cpad + k * CT;
+    long long co = -1;  // the staged column's offset in gamma, -1 outside the block
+    const int a1 = n * NT + e0;
+    {
+      const int u = a1 % KK / KW, v = a1 % KW;
+      const int x = i * SH + u * DH - PH, y = j * SW + v * DW - PW;
+      if (a1 < N && x >= 0 && x < H && y >= 0 && y < W) co = a1 / KK * sc1 + x * sx1 + y * sy1;
+    }
+    T U[TM][TN];
+#pragma unroll
+    for (int m = 0; m < TM; ++m)
+#pragma unroll
+      for (int c = 0; c < TN; ++c) U[m][c] = T(0);
+    // a tile's row offsets are made while the last tile is staged
+    auto row = [&](int odd, int a) {
+      const int cl = a / KK, u = a % KK / KW, v = a % KW;
+      const int x = i * SH + u * DH - PH, y = j * SW + v * DW - PW;
+      ro[odd][threadIdx.x] =
+          a < N && x >= 0 && x < H && y >= 0 && y < W ? cl * sc + x * sx + y * sy : -1;
+    };
+    if (threadIdx.x < KT) row(0, threadIdx.x);
+    for (int a0 = 0, odd = 0; a0 < N; a0 += KT, odd ^= 1) {
+      __syncthreads();  // the last tile's products are done, this tile's rows made
+#pragma unroll
+      for (int r = r0; r < KT; r += 128 / NT) {
+        const long long o = ro[odd][r];
+        gs[r][e0] = o >= 0 && co >= 0 ? __ldg(g0 + o + co) : T(0);
+      }
+      if (threadIdx.x < KT) row(odd ^ 1, a0 + KT + threadIdx.x);
+      for (int e = threadIdx.x; e < KT * CT; e += 128)
+        ws[e / CT][e % CT] = a0 + e / CT < N ? wg[(a0 + e / CT) * Cpad + e % CT] : T(0);
+      __syncthreads();
+#pragma unroll
+      for (int r = 0; r < KT; ++r) {
+        const WV wv = *(const WV*)&ws[r][tc * TM];
+        const GV gv = *(const GV*)&gs[r][tn * TN];
+#pragma unroll
+        for (int m = 0; m < TM; ++m)
+#pragma unroll
+          for (int c = 0; c < TN; ++c) U[m][c] += wv.x[m] * gv.x[c];
+      }
+    }
+    T part[TM];
+#pragma unroll
+    for (int m = 0; m < TM; ++m) part[m] = T(0);
+#pragma unroll
+    for (int c = 0; c < TN; ++c) {
+      const int a = n * NT + tn * TN + c;
+      if (a < N) {
+        const WV wc = *(const WV*)(wg + a * Cpad + tc * TM);
+#pragma unroll
+        for (int m = 0; m < TM; ++m) part[m] += U[m][c] * wc.x[m];
+      }
+    }
+#pragma unroll
+    for (int m = 0; m < TM; ++m) red[tn][tc * TM + m] = part[m];
+    __syncthreads();
+    if (threadIdx.x < CT) {
+      T sum = T(0);
+#pragma unroll
+      for (int r = 0; r < 8; ++r) sum += red[r][threadIdx.x];
+      P[((long long)(b * G + grp) * Cpad + k * CT + threadIdx.x) * rows * Wo * tiles
+        + ((long long)ii * Wo + j) * tiles + n] = sum;
+    }
+  }
+}
+
+// K gamma K^T in the full layout for one input channel a group (Cg = 1: depthwise), one
+// pass over gamma: for image b, output channels c0 and c1 (input channels c0 / M, c1 / M)
+// and output positions p0 = (i0, j0), p1 = (i1, j1),
+//   A[b, c0, p0, c1, p1] = sum over u, v of w[c0, u, v] T[x(i0, u), y(j0, v)],
+//   T[x, y] = sum over u', v' of w[c1, u', v'] gamma[b, c0 / M, x, y, c1 / M, x(i1, u'),
+//                                                    y(j1, v')]
+// with x(i, u) = i SH + u DH - PH, y(j, v) = j SW + v DW - PW (terms in the padding absent).
+// A block takes (b, c0, c1) and a tile of 16 quads of positions p1 (NJ = 4 neighbours
+// along j1, whose windows share columns: NC loads a row of gamma for NJ of T's entries).
+// For each row x that a row i0 reads, once, it makes T[x, y] for every y and each quad
+// into a ring of R = (KH - 1) DH + 1 rows in shared memory (a window's rows span R), the
+// 8 threads of a quad taking every 8th y; then the outputs of row i0 from the ring, the
+// same threads taking every 8th j0. Each entry of gamma's block is read from memory once.
+template <typename T, int KH, int KW, int SH, int SW, int DH, int DW>
+__global__ void __launch_bounds__(128, 4) depthwise_full(
+    const T* __restrict__ g, const T* __restrict__ w, T* __restrict__ A, long long sb,
+    long long sc, long long sx, long long sy, long long sc1, long long sx1, long long sy1,
+    int M, int Co, int H, int W, int Ho, int Wo, int PH, int PW, long long items)
+{
+  constexpr int NJ = 4, R = (KH - 1) * DH + 1, NC = (NJ - 1) * SW + (KW - 1) * DW + 1;
+  struct alignas(16) V { T x[NJ]; };
+#ifdef __CUDACC__
+  extern __shared__ __align__(16) unsigned char ring_bytes[];
+#else
+  __shared__ __align__(16) unsigned char ring_bytes[48 << 10];  // the host build (tests)
+#endif
+  const int tq = threadIdx.x % 16, ty = threadIdx.x / 16;
+  V* const ring = (V*)ring_bytes + tq;  // ring[(s W + y) 16]: quad tq's column
+  const int JQ = (Wo + NJ - 1) / NJ, quads = Ho * JQ, tiles = (quads + 15) / 16;
+  const long long Q = (long long)Ho * Wo;
+  for (long long t = blockIdx.x; t < items; t += gridDim.x) {
+    long long q = t;
+    const int tile = (int)(q % tiles);
+    q /= tiles;
+    const int c1 = (int)(q % Co);
+    q /= Co;
+    const int c0 = (int)(q % Co);
+    const long long b = q / Co;
+    const int e = tile * 16 + tq, i1 = e / JQ, j1 = e % JQ * NJ;
+    const bool live = e < quads;  // threads past the last quad only keep the syncs
+    const T* gb = g + b * sb + (c0 / M) * sc + (c1 / M) * sc1;
+    T wl[KH * KW], wr[KH * KW];
+#pragma unroll
+    for (int k = 0; k < KH * KW; ++k) {
+      wl[k] = __ldg(w + (long long)c0 * KH * KW + k);
+      wr[k] = __ldg(w + (long long)c1 * KH * KW + k);
+    }
+    T* a = A + (b * Co + c0) * Q * Co * Q + c1 * Q + (long long)i1 * Wo + j1;
+    int held[R];  // the row x each slot of the ring holds
+#pragma unroll
+    for (int s = 0; s < R; ++s) held[s] = -1;
+    for (int i0 = 0; i0 < Ho; ++i0) {
+#pragma unroll
+      for (int u = 0; u < KH; ++u) {  // the rows x that row i0 reads, into the ring
+        const int x = i0 * SH + u * DH - PH;
+        if (x < 0 || x >= H || held[x % R] == x) continue;
+        held[x % R] = x;
+        V* r = ring + (x % R) * W * 16;
+        for (int y = ty; y < W && live; y += 8) {
+          const T* gxy = gb + x * sx + y * sy;
+          V acc = {};
+#pragma unroll
+          for (int u1 = 0; u1 < KH; ++u1) {
+            const int x1 = i1 * SH + u1 * DH - PH;
+            if (x1 < 0 || x1 >= H) continue;
+            T col[NC];
+#pragma unroll
+            for (int c = 0; c < NC; ++c) {
+              const int y1 = j1 * SW - PW + c;
+              col[c] = y1 >= 0 && y1 < W ? __ldg(gxy + x1 * sx1 + y1 * sy1) : T(0);
+            }
+#pragma unroll
+            for (int n = 0; n < NJ; ++n)
+#pragma unroll
+              for (int v1 = 0; v1 < KW; ++v1) acc.x[n] += wr[u1 * KW + v1] * col[n * SW + v1 * DW];
+          }
+          r[y * 16] = acc;
+        }
+      }
+      __syncthreads();  // the ring's rows are made
+      for (int j0 = ty; j0 < Wo && live; j0 += 8) {
+        V o = {};
+#pragma unroll
+        for (int u = 0; u < KH; ++u) {
+          const int x = i0 * SH + u * DH - PH;
+          if (x < 0 || x >= H) continue;
+          const V* r = ring + (x % R) * W * 16;
+#pragma unroll
+          for (int v = 0; v < KW; ++v) {
+            const int y = j0 * SW + v * DW - PW;
+            if (y < 0 || y >= W) continue;
+            const V tv = r[y * 16];
+#pragma unroll
+            for (int n = 0; n < NJ; ++n) o.x[n] += wl[u * KW + v] * tv.x[n];
+          }
+        }
+        T* out = a + (long long)(i0 * Wo + j0) * Co * Q;
+#pragma unroll
+        for (int n = 0; n < NJ; ++n)
+          if (j1 + n < Wo) out[n] = o.x[n];
+      }
+      __syncthreads();  // row i0's outputs are read from the ring
+    }
+  }
+}
 """
 
 _OPTIONS = ("-std=c++14",)
@@ -552,6 +777,10 @@ def symmetrize(A, D):
 #: 0.41 against 0.55 ms), and the columns it takes together.
 VAR_CC = {4: 16, 8: 8}
 VAR_NC = 2
+#: Full gamma's forms of windows of at least this many entries by ``var_tiles`` (H100, the
+#: kernel alone: 64ch 3.60 -> 1.42 ms, strided 0.45 -> 0.36 ms, 16ch 0.69 -> 0.62 ms;
+#: depthwise (9) 0.18 against 0.31 ms).
+VAR_TILED_N = 64
 #: Threads a launch should have (row segments are added until it does; strided layer 0.66
 #: -> 0.41 ms against 2^15) and the partial sums a launch may hold (output rows are split
 #: over launches past it).
@@ -595,23 +824,34 @@ def var_forms(g, w, stride, padding, dilation, G, diag):
     Ho, Wo = _out_size(H, W, kh, kw, stride, padding, dilation)
     if B * Co * Ho * Wo == 0:
         return torch.empty((B, Co, Ho, Wo), dtype=g.dtype, device=g.device)
-    CC, chunks, TPC, RS, rows = var_plan(B, G, Cg, Cpg, kh * kw, Ho, Wo, diag, g.element_size())
+    T = {torch.float32: "float", torch.float64: "double"}[g.dtype]
+    if not diag and N >= VAR_TILED_N:  # var_tiles: CT channels a block, tiles of 64 columns
+        CC = 16
+        while CC < min(Cpg, 64):
+            CC *= 2
+        chunks, S = -(-Cpg // CC), -(-N // 64)
+        rows = max(1, min(Ho, VAR_PARTIALS // (B * G * chunks * CC * Wo * S)))
+        expr, per_block, tail = f"var_tiles<{T}, {CC}>", 1, (chunks, S)
+    else:
+        CC, chunks, TPC, RS, rows = var_plan(B, G, Cg, Cpg, kh * kw, Ho, Wo, diag,
+                                             g.element_size())
+        S = TPC * RS
+        expr, per_block = f"var_forms<{T}, {CC}, {VAR_NC}>", 128
+        tail = (chunks, TPC, RS, diag)
     wt = torch.zeros((G, N, chunks * CC), dtype=g.dtype, device=g.device)
     wt[:, :, :Cpg] = w.reshape(G, Cpg, N).transpose(1, 2)
     sb, *st = g.stride()
     if diag:  # no second channel axis: its stride 0
         st = (*st[:3], 0, *st[3:])
-    T = {torch.float32: "float", torch.float64: "double"}[g.dtype]
     i32, i64 = np.int32, np.int64
     for i0 in range(0, Ho, rows):
         r = min(rows, Ho - i0)
-        P = torch.empty((B, G, chunks * CC, r, Wo, TPC * RS), dtype=g.dtype, device=g.device)
-        total = B * G * r * Wo * chunks * TPC * RS
-        _launch(f"var_forms<{T}, {CC}, {VAR_NC}>", g.device, (min(-(-total // 128), 1 << 22),),
+        P = torch.empty((B, G, chunks * CC, r, Wo, S), dtype=g.dtype, device=g.device)
+        total = B * G * r * Wo * chunks * S
+        _launch(expr, g.device, (min(-(-total // per_block), 1 << 22),),
                 128, (np.uint64(g.data_ptr()), np.uint64(wt.data_ptr()), np.uint64(P.data_ptr()),
                       *map(i64, (sb, *st)), *map(i32, (
-                          Cg, G, H, W, Wo, kh, kw, sh, sw, ph, pw, dh, dw, B, i0, r, chunks,
-                          TPC, RS, diag))))
+                          Cg, G, H, W, Wo, kh, kw, sh, sw, ph, pw, dh, dw, B, i0, r, *tail))))
         part = P[:, :, :Cpg].sum(-1)
         if r == Ho:
             return part.reshape(B, Co, Ho, Wo)
@@ -621,8 +861,48 @@ def var_forms(g, w, stride, padding, dilation, G, diag):
     return v.reshape(B, Co, Ho, Wo)
 
 
-def _launch(expr, device, grid, block, args):
-    """Kernel ``expr`` on torch's current stream of ``device``."""
+
+#: Bytes of shared memory a block of ``depthwise_full`` may take (CUDA's default limit).
+_SHARED_BYTES = 48 << 10
+
+
+def depthwise_ring(W, kh, dh, itemsize):
+    """Bytes of ``depthwise_full``'s ring: ``R`` rows of ``W`` entries for 16 quads of
+    positions (it runs where they fit :data:`_SHARED_BYTES`)."""
+    return ((kh - 1) * dh + 1) * W * 16 * 4 * itemsize
+
+
+def depthwise_name(T, k, stride, dilation) -> str:
+    return "depthwise_full<{}, {}, {}, {}, {}, {}, {}>".format(T, *k, *stride, *dilation)
+
+
+def depthwise_full(g, w, stride, padding, dilation, G):
+    """``K gamma K^T`` in the full layout, ``(B, Co, Ho, Wo, Co, Ho, Wo)`` (unsymmetrised),
+    for one input channel a group (``Ci = G``): torch CUDA tensors of one dtype (float32 or
+    float64), ``gamma`` full ``(B, Ci, H, W, Ci, H, W)`` with any strides, ``w`` ``(Co, 1,
+    kh, kw)``, where :func:`depthwise_ring` fits. A new tensor, queued on torch's current
+    stream."""
+    torch = sys.modules["torch"]
+    B, Ci, H, W = g.shape[:4]
+    Co, _, kh, kw = w.shape
+    Ho, Wo = _out_size(H, W, kh, kw, stride, padding, dilation)
+    A = torch.empty((B, Co, Ho, Wo, Co, Ho, Wo), dtype=g.dtype, device=g.device)
+    if A.numel() == 0:
+        return A
+    items = B * Co * Co * -(-Ho * -(-Wo // 4) // 16)
+    w = w.contiguous()
+    T = {torch.float32: "float", torch.float64: "double"}[g.dtype]
+    _launch(depthwise_name(T, (kh, kw), stride, dilation), g.device,
+            (min(items, 1 << 22),), 128,
+            (np.uint64(g.data_ptr()), np.uint64(w.data_ptr()), np.uint64(A.data_ptr()),
+             *map(np.int64, g.stride()), *map(np.int32, (Co // G, Co, H, W, Ho, Wo, *padding)),
+             np.int64(items)),
+            shared_mem=depthwise_ring(W, kh, dilation[0], g.element_size()))
+    return A
+
+def _launch(expr, device, grid, block, args, shared_mem=0):
+    """Kernel ``expr`` on torch's current stream of ``device`` (``shared_mem`` bytes of
+    dynamic shared memory a block)."""
     import cupy
 
     from .cupy import _StreamHandle
@@ -632,4 +912,4 @@ def _launch(expr, device, grid, block, args):
     stream = (cupy.cuda.Stream.from_external(_StreamHandle(handle))
               if hasattr(cupy.cuda.Stream, "from_external") else cupy.cuda.ExternalStream(handle))
     with cupy.cuda.Device(device.index), stream:
-        _kernel(expr, device.index)(grid, (block,), args)
+        _kernel(expr, device.index)(grid, (block,), args, shared_mem=shared_mem)
