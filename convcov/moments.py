@@ -667,9 +667,8 @@ def _carried(o, call, g, w):
         if o.kernels(g, w):
             from .backends import _cupy_moments
 
-            ring = _cupy_moments.depthwise_ring(W, kh, call.dilation[0], g.element_size())
             # one pass over gamma (H100, depthwise full 15.2 -> 6.9 ms, at 8x8 2.4 -> 0.69 ms)
-            if ring <= _cupy_moments._SHARED_BYTES:
+            if _cupy_moments.depthwise_fits(W, kh, call.dilation[0], g.element_size()):
                 return _cupy_moments.depthwise_full(g, w, call.stride, call.padding,
                                                     call.dilation, G)
         if o.device_type in DENSE_DEPTHWISE_ON:

@@ -667,6 +667,14 @@ def test_depthwise_kernel_matches_literal_loops(tmp_path, monkeypatch):
     np.testing.assert_allclose(mo.numpy(), mean, rtol=1e-12)
     np.testing.assert_allclose(go.numpy(), cov, rtol=1e-10, atol=1e-12 * np.abs(cov).max())
     assert torch.equal(go, torch.as_tensor(transposed(go.numpy(), "full")))
+    # rows too long for the ring in a block's shared memory: the products, no kernel
+    a = problem(rng, 1, 2, 2, 2, 3, 40, (3, 3), "full", "none", "none")
+    _, cov = reference(**a, padding=(1, 1), groups=2)
+    t = {n: None if v is None else torch.as_tensor(v) for n, v in a.items()}
+    seen.clear()
+    _, go = convcov.conv2d_moments(t["mu"], t["gamma"], t["weight"], padding=1, groups=2)
+    assert seen == [] and not cupy_moments.depthwise_fits(40, 3, 1, 8)
+    np.testing.assert_allclose(go.numpy(), cov, rtol=1e-10, atol=1e-12 * np.abs(cov).max())
 
 
 def test_the_kernels_compile_for_the_gpu():

@@ -866,10 +866,15 @@ def var_forms(g, w, stride, padding, dilation, G, diag):
 _SHARED_BYTES = 48 << 10
 
 
-def depthwise_ring(W, kh, dh, itemsize):
+def _ring_bytes(W, kh, dh, itemsize):
     """Bytes of ``depthwise_full``'s ring: ``R`` rows of ``W`` entries for 16 quads of
-    positions (it runs where they fit :data:`_SHARED_BYTES`)."""
+    positions."""
     return ((kh - 1) * dh + 1) * W * 16 * 4 * itemsize
+
+
+def depthwise_fits(W, kh, dh, itemsize) -> bool:
+    """Whether ``depthwise_full``'s ring for input rows of ``W`` entries fits a block."""
+    return _ring_bytes(W, kh, dh, itemsize) <= _SHARED_BYTES
 
 
 def depthwise_name(T, k, stride, dilation) -> str:
@@ -880,7 +885,7 @@ def depthwise_full(g, w, stride, padding, dilation, G):
     """``K gamma K^T`` in the full layout, ``(B, Co, Ho, Wo, Co, Ho, Wo)`` (unsymmetrised),
     for one input channel a group (``Ci = G``): torch CUDA tensors of one dtype (float32 or
     float64), ``gamma`` full ``(B, Ci, H, W, Ci, H, W)`` with any strides, ``w`` ``(Co, 1,
-    kh, kw)``, where :func:`depthwise_ring` fits. A new tensor, queued on torch's current
+    kh, kw)``, where :func:`depthwise_fits` says so. A new tensor, queued on torch's current
     stream."""
     torch = sys.modules["torch"]
     B, Ci, H, W = g.shape[:4]
@@ -897,7 +902,7 @@ def depthwise_full(g, w, stride, padding, dilation, G):
             (np.uint64(g.data_ptr()), np.uint64(w.data_ptr()), np.uint64(A.data_ptr()),
              *map(np.int64, g.stride()), *map(np.int32, (Co // G, Co, H, W, Ho, Wo, *padding)),
              np.int64(items)),
-            shared_mem=depthwise_ring(W, kh, dilation[0], g.element_size()))
+            shared_mem=_ring_bytes(W, kh, dilation[0], g.element_size()))
     return A
 
 def _launch(expr, device, grid, block, args, shared_mem=0):
