@@ -457,6 +457,25 @@ def _ptr(a):
     return ctypes.c_void_p(a.ctypes.data)
 
 
+def _c_args(args):
+    """A launch's NumPy scalars as the host build's C arguments."""
+    import ctypes
+
+    conv = {np.uint64: ctypes.c_void_p, np.int64: ctypes.c_longlong, np.int32: ctypes.c_int}
+    return [conv[type(a)](int(a)) for a in args]
+
+
+def _threads_driver(name, params, call):
+    """C++ of ``name(unsigned grid, params)``: the blocks of ``grid`` in turn, a host thread
+    for each of a block's 128 CUDA threads (``__syncthreads`` the prelude's barrier), each
+    running ``call``."""
+    return (f'extern "C" void {name}(unsigned grid, {params}) {{ gridDim.x = grid; '
+            f"blockDim.x = bar_n = 128; std::vector<std::thread> ts; "
+            f"for (unsigned t = 0; t < 128; ++t) ts.emplace_back([=] {{ threadIdx.x = t; "
+            f"for (unsigned x = 0; x < grid; ++x) {{ blockIdx.x = x; {call}; "
+            f"__syncthreads(); }} }}); for (auto& th : ts) th.join(); }}\n")
+
+
 def test_symmetrize_kernel_matches_the_definition(tmp_path):
     """The CUDA symmetrisation (convcov.backends._cupy_moments), its source built on the
     host as C++, every block and thread in turn, with the backend's grid and on a grid of
@@ -532,15 +551,10 @@ def test_var_kernel_matches_the_definition(tmp_path, monkeypatch):
         f"for (unsigned t = 0; t < 128; ++t) {{ blockIdx.x = x; threadIdx.x = t; "
         f"var_forms<{T}, {cc}, {cupy_moments.VAR_NC}>({', '.join(names)}); }} }}\n"
         for T, cc in inst)
-    # var_tiles: a host thread for each of a block's 128 threads, the blocks in turn
     tiles = _VAR_PARAMS.replace("int TPC, int RS, int diag", "int tiles")
     drivers += "".join(
-        f'extern "C" void tiles_{T}_{ct}(unsigned grid, {tiles.replace("T*", T + "*")}) '
-        f"{{ gridDim.x = grid; blockDim.x = bar_n = 128; std::vector<std::thread> ts; "
-        f"for (unsigned t = 0; t < 128; ++t) ts.emplace_back([=] {{ threadIdx.x = t; "
-        f"for (unsigned x = 0; x < grid; ++x) {{ blockIdx.x = x; var_tiles<{T}, {ct}>"
-        f"({', '.join(names[:-3])}, tiles); __syncthreads(); }} }}); "
-        f"for (auto& th : ts) th.join(); }}\n"
+        _threads_driver(f"tiles_{T}_{ct}", tiles.replace("T*", T + "*"),
+                        f"var_tiles<{T}, {ct}>({', '.join(names[:-3])}, tiles)")
         for T in ("float", "double") for ct in (16, 32, 64))
     lib = host_build(tmp_path, _ROWS_PRELUDE + cupy_moments.SOURCE + drivers)
     one_block = [False]
@@ -548,9 +562,8 @@ def test_var_kernel_matches_the_definition(tmp_path, monkeypatch):
     def launch(expr, device, grid, block, args):
         kernel, T, cc = re.fullmatch(r"var_(forms|tiles)<(\w+), (\d+)(?:, \d+)*>", expr).groups()
         assert block == 128
-        conv = {np.uint64: ctypes.c_void_p, np.int64: ctypes.c_longlong, np.int32: ctypes.c_int}
         getattr(lib, f"{'run' if kernel == 'forms' else 'tiles'}_{T}_{cc}")(
-            ctypes.c_uint(1 if one_block[0] else grid[0]), *(conv[type(a)](int(a)) for a in args))
+            ctypes.c_uint(1 if one_block[0] else grid[0]), *_c_args(args))
 
     monkeypatch.setattr(cupy_moments, "_launch", launch)
     rng = np.random.default_rng(12)
@@ -616,24 +629,19 @@ def test_depthwise_kernel_matches_literal_loops(tmp_path, monkeypatch):
               "long long sy, long long sc1, long long sx1, long long sy1, int M, int Co, "
               "int H, int W, int Ho, int Wo, int PH, int PW, long long items")
     names = ", ".join(a.split()[-1] for a in params.split(", "))
-    exprs = sorted({cupy_moments.depthwise_name(T, k, s, d) for T in ("float", "double")
-                    for _, _, _, _, _, k, s, _, d in _DEPTHWISE_CASES})
-    drivers = "".join(
-        f'extern "C" void dw_{i}(unsigned grid, {params.replace("T*", e[15:e.index(",")] + "*")}) '
-        f"{{ gridDim.x = grid; blockDim.x = bar_n = 128; std::vector<std::thread> ts; "
-        f"for (unsigned t = 0; t < 128; ++t) ts.emplace_back([=] {{ threadIdx.x = t; "
-        f"for (unsigned x = 0; x < grid; ++x) {{ blockIdx.x = x; {e}({names}); "
-        f"__syncthreads(); }} }}); for (auto& th : ts) th.join(); }}\n"
-        for i, e in enumerate(exprs))
+    inst = sorted({(T, cupy_moments.depthwise_name(T, k, s, d)) for T in ("float", "double")
+                   for _, _, _, _, _, k, s, _, d in _DEPTHWISE_CASES})
+    exprs = [e for _, e in inst]
+    drivers = "".join(_threads_driver(f"dw_{i}", params.replace("T*", T + "*"), f"{e}({names})")
+                      for i, (T, e) in enumerate(inst))
     lib = host_build(tmp_path, _ROWS_PRELUDE + cupy_moments.SOURCE + drivers)
     one_block, seen = [False], []
 
     def launch(expr, device, grid, block, args, shared_mem=0):
         assert block == 128 and shared_mem <= 48 << 10
         seen.append(expr)
-        conv = {np.uint64: ctypes.c_void_p, np.int64: ctypes.c_longlong, np.int32: ctypes.c_int}
         getattr(lib, f"dw_{exprs.index(expr)}")(ctypes.c_uint(1 if one_block[0] else grid[0]),
-                                                *(conv[type(a)](int(a)) for a in args))
+                                                *_c_args(args))
 
     monkeypatch.setattr(cupy_moments, "_launch", launch)
     rng = np.random.default_rng(13)
